@@ -1,0 +1,48 @@
+# The two commands a learner needs: `make lab` and `make test`.
+# TORCH_SPEC picks the torch build pip installs first. The default takes PyPI's normal wheel
+# (CUDA-enabled on Linux); CI, which has no GPU, passes a CPU build instead (see .ci/run).
+PYTHON     ?= python3
+VENV       ?= .venv
+TORCH_SPEC ?= torch>=2.4
+JOBS       ?= 2
+PORT       ?= 8888
+BIN        := $(VENV)/bin
+
+.PHONY: lab test unit notebooks clean-venv
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed-lab: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -e ".[lab]"
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -e ".[lab,test]"
+	touch $@
+
+## Open JupyterLab on the chapter notebooks (only reachable from this machine).
+lab: $(VENV)/.installed-lab
+	$(BIN)/jupyter lab --ip=127.0.0.1 --port=$(PORT) --notebook-dir=notebooks
+
+## Unit tests + every notebook under nbval, on the CPU so results match the stored outputs.
+test: $(VENV)/.installed-test
+	LABKIT_DEVICE=cpu $(BIN)/python -m pytest -n $(JOBS) --dist loadfile \
+		--nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg tests notebooks
+
+## Unit tests only (fast feedback while editing labkit).
+unit: $(VENV)/.installed-test
+	LABKIT_DEVICE=cpu $(BIN)/python -m pytest -n $(JOBS) tests
+
+## Re-execute notebooks in place on the CPU to refresh their stored outputs (NB=notebooks/00_foundations.ipynb for one).
+NB ?= notebooks/[0-9]*.ipynb
+notebooks: $(VENV)/.installed-test
+	for nb in $(NB); do \
+		LABKIT_DEVICE=cpu $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
+			--ExecutePreprocessor.timeout=300 "$$nb" || exit 1; \
+	done
+
+clean-venv:
+	rm -rf $(VENV)

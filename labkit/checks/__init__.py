@@ -1,0 +1,9 @@
+"""Graders for the chapter exercises: ``labkit.checks.<name>(fn)`` grades the learner's ``fn``,
+which has the signature of the labkit function of the same name.
+
+A grader tries random shapes, dtypes and edge cases against the reference. It prints one line
+on success; on failure it raises :class:`CheckFailed` saying what was tried, what came back,
+what was expected, and a hint.
+"""
+from labkit.checks._core import CheckFailed  # noqa: F401
+from labkit.checks.ch00_foundations import *  # noqa: F401,F403

@@ -1,0 +1,188 @@
+"""A LLaMA-style decoder-only transformer in one readable file.
+
+``TransformerLM(config)``: token embedding -> ``num_layers`` pre-norm blocks
+(``x + attn(ln1(x))``, then ``x + ffn(ln2(x))``) -> final norm -> LM head.
+State-dict keys read like the architecture: ``token_embeddings.weight``,
+``layers.{i}.ln1.weight``, ``layers.{i}.attn.{q,k,v,output}_proj.weight``,
+``layers.{i}.ln2.weight``, ``layers.{i}.ffn.{w1,w2,w3}.weight``, ``ln_final.weight``,
+``lm_head.weight``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from labkit.nn import GLU, Embedding, LayerNorm, Linear, MultiHeadSelfAttention, RMSNorm, RoPE
+
+NORMS = ("rmsnorm", "layernorm", "none")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    context_length: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    d_ff: int
+    rope_theta: float = 10000.0
+    num_kv_heads: int | None = None
+    head_dim: int | None = None  # default d_model // num_heads
+    norm: str = "rmsnorm"  # "rmsnorm" | "layernorm" | "none"
+    norm_eps: float = 1e-5
+    activation: str = "silu"  # gate activation of the GLU feed-forward (silu = SwiGLU)
+    qk_norm: bool = False
+    tie_embeddings: bool = False  # lm_head shares the token-embedding matrix
+    use_triton: bool = False  # route RMSNorm, SwiGLU and attention through labkit.kernels
+
+    def __post_init__(self):
+        for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r}: expected a positive integer")
+        kv = self.kv_heads
+        if self.head_dim is None and self.d_model % self.num_heads:
+            raise ValueError(f"d_model={self.d_model} must be divisible by num_heads={self.num_heads}")
+        if kv <= 0 or self.num_heads % kv:
+            raise ValueError(f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}")
+        if self.norm not in NORMS:
+            raise ValueError(f"norm={self.norm!r}: expected one of {NORMS}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+
+def make_norm(config: ModelConfig, device=None, dtype=None) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.d_model, config.norm_eps, device=device, dtype=dtype, use_triton=config.use_triton)
+    if config.norm == "layernorm":
+        return LayerNorm(config.d_model, config.norm_eps, device=device, dtype=dtype)
+    return nn.Identity()
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``x = x + attn(ln1(x)); x = x + ffn(ln2(x))``."""
+
+    def __init__(self, config: ModelConfig, rope: RoPE | None = None, device=None, dtype=None):
+        super().__init__()
+        self.ln1 = make_norm(config, device, dtype)
+        self.attn = MultiHeadSelfAttention(
+            config.d_model,
+            config.num_heads,
+            config.num_kv_heads,
+            rope=rope,
+            head_dim=config.head_dim,
+            qk_norm=config.qk_norm,
+            device=device,
+            dtype=dtype,
+            use_triton=config.use_triton,
+        )
+        self.ln2 = make_norm(config, device, dtype)
+        self.ffn = GLU(config.d_model, config.d_ff, config.activation, device=device, dtype=dtype, use_triton=config.use_triton)
+
+    def forward(self, x: torch.Tensor, token_positions=None, kv_cache=None, layer_idx: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), token_positions, kv_cache, layer_idx)
+        return x + self.ffn(self.ln2(x))
+
+
+class TransformerLM(nn.Module):
+    def __init__(self, config: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        self.token_embeddings = Embedding(config.vocab_size, config.d_model, device=device, dtype=dtype)
+        # One RoPE table shared by every layer (a non-persistent buffer: not in the state dict).
+        rope = RoPE(config.rope_theta, config.dim_per_head, config.context_length, device=device)
+        self.layers = nn.ModuleList(TransformerBlock(config, rope, device, dtype) for _ in range(config.num_layers))
+        self.ln_final = make_norm(config, device, dtype)
+        self.lm_head = Linear(config.d_model, config.vocab_size, device=device, dtype=dtype)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.token_embeddings.weight
+
+    def forward(self, token_ids: torch.Tensor, token_positions: torch.Tensor | None = None, kv_cache=None) -> torch.Tensor:
+        """``token_ids`` ``[batch, seq]`` (or ``[seq]``) -> logits ``[batch, seq, vocab_size]``."""
+        if token_ids.dim() not in (1, 2):
+            raise ValueError(f"token_ids: expected [batch, seq] or [seq], got shape {tuple(token_ids.shape)}")
+        seq = token_ids.shape[-1]
+        past = kv_cache.length(0) if kv_cache is not None else 0
+        if past + seq > self.config.context_length:
+            raise ValueError(
+                f"token_ids: sequence length {past + seq} (including {past} cached) exceeds "
+                f"context_length={self.config.context_length}"
+            )
+        x = self.token_embeddings(token_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, token_positions, kv_cache, i)
+        return self.lm_head(self.ln_final(x))
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameter count (shared tensors counted once); ``non_embedding`` leaves out the
+        token-embedding table, the usual convention in scaling-law papers."""
+        total = sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+        if non_embedding and not self.config.tie_embeddings:
+            total -= self.token_embeddings.weight.numel()
+        return total
+
+
+@torch.no_grad()
+def generate(
+    model: TransformerLM,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    use_cache: bool = True,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Continue ``prompt_ids`` (``[batch, prompt_len]`` or ``[prompt_len]``) by ``max_new_tokens``.
+
+    ``temperature=0`` is greedy decoding. With ``use_cache`` the prompt is processed once
+    (prefill) and every later step feeds only the newest token, reading earlier keys/values
+    from a :class:`labkit.attention.KVCache`; without it, every step recomputes the whole prefix.
+    Returns the prompt followed by the new tokens.
+    """
+    from labkit.attention import KVCache
+
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 0")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature}: expected >= 0 (0 = greedy)")
+    if top_k is not None and top_k <= 0:
+        raise ValueError(f"top_k={top_k}: expected a positive integer or None")
+    squeeze = prompt_ids.dim() == 1
+    ids = prompt_ids[None] if squeeze else prompt_ids
+    if ids.dim() != 2 or ids.shape[1] == 0:
+        raise ValueError(f"prompt_ids: expected a non-empty [batch, prompt_len] tensor, got shape {tuple(prompt_ids.shape)}")
+    total = ids.shape[1] + max_new_tokens
+    if total > model.config.context_length:
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens}: prompt ({ids.shape[1]}) + new tokens exceeds "
+            f"context_length={model.config.context_length}"
+        )
+    was_training = model.training
+    model.eval()
+    cache = KVCache.for_model(model, batch_size=ids.shape[0], max_seq_len=total) if use_cache else None
+    step_input = ids
+    for _ in range(max_new_tokens):
+        logits = model(step_input, kv_cache=cache)[:, -1, :].float()
+        next_id = _sample(logits, temperature, top_k, generator)
+        ids = torch.cat([ids, next_id], dim=1)
+        step_input = next_id if use_cache else ids
+    model.train(was_training)
+    return ids[0] if squeeze else ids
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> torch.Tensor:
+    if temperature == 0.0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)

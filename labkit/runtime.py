@@ -1,0 +1,139 @@
+"""Where code runs: device choice, Triton's interpreter switch, seeding, per-device sizes.
+
+Triton decides at ``@triton.jit`` time whether a kernel is compiled for the GPU or run by its
+CPU interpreter, and it reads ``TRITON_INTERPRET`` for that. So the switch has to be made
+before any kernel module is imported; :func:`configure_triton` does it and ``import labkit``
+calls it first thing.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import random
+import sys
+
+import numpy as np
+import torch
+
+DEVICE_ENV = "LABKIT_DEVICE"
+
+_device: torch.device | None = None
+
+
+class TritonImportOrderError(ImportError):
+    """Triton was imported in compiled mode although there is no GPU to compile for."""
+
+
+def _requested_device() -> str | None:
+    value = os.environ.get(DEVICE_ENV, "").strip()
+    return value or None
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def needs_interpreter() -> bool:
+    """True when Triton kernels must run on the CPU through the interpreter."""
+    requested = _requested_device()
+    if requested is not None:
+        return torch.device(requested).type != "cuda"
+    return not torch.cuda.is_available()
+
+
+def configure_triton() -> None:
+    """Turn on ``TRITON_INTERPRET=1`` when there is no GPU, before Triton is imported.
+
+    Raises :class:`TritonImportOrderError` if Triton was already imported in compiled mode
+    on a machine that needs the interpreter: its kernels would then fail with obscure errors.
+    """
+    if not needs_interpreter():
+        return
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise TritonImportOrderError(
+            "triton was imported before labkit on a machine without a usable GPU, so its kernels "
+            "were set up for compilation instead of Triton's CPU interpreter. Restart the kernel "
+            "(or Python) and run `import labkit` before anything that imports triton, or set the "
+            "environment variable TRITON_INTERPRET=1 before starting Python."
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def triton_mode() -> str:
+    """'compiled', 'interpreter', or 'unavailable' (no triton package on this platform)."""
+    if not triton_installed():
+        return "unavailable"
+    return "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "compiled"
+
+
+def get_device(device: str | torch.device | None = None) -> torch.device:
+    """Resolve ``device`` (or ``LABKIT_DEVICE``, else cuda when available, else cpu) and check it exists."""
+    chosen = device if device is not None else _requested_device()
+    if chosen is None:
+        chosen = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(chosen)
+    check_device(dev)
+    return dev
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """Raise ``ValueError`` for a device this machine does not have (e.g. ``cuda:99``)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={str(dev)!r}: CUDA is not available on this machine; use 'cpu'")
+        index = dev.index if dev.index is not None else 0
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device={str(dev)!r}: only {torch.cuda.device_count()} CUDA device(s) exist"
+            )
+    elif dev.type not in ("cpu", "mps", "meta"):
+        raise ValueError(f"device={str(dev)!r}: expected 'cpu', 'cuda' or 'cuda:N'")
+    return dev
+
+
+def device() -> torch.device:
+    """The device chosen by :func:`setup` (chosen on first use if setup was not called)."""
+    global _device
+    if _device is None:
+        _device = get_device()
+    return _device
+
+
+def seed_everything(seed: int = 0) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def environment_line(dev: torch.device | None = None) -> str:
+    dev = dev if dev is not None else device()
+    parts = [f"python {platform.python_version()}", f"torch {torch.__version__}"]
+    if triton_installed():
+        import triton
+
+        parts.append(f"triton {triton.__version__} ({triton_mode()})")
+    else:
+        parts.append("triton not installed (kernels fall back to the PyTorch reference)")
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{os.cpu_count()} CPU cores"
+    parts.append(f"device {dev} [{name}]")
+    return " | ".join(parts)
+
+
+def setup(seed: int = 0, device: str | torch.device | None = None) -> torch.device:
+    """Seed python/numpy/torch, choose the device, print one environment line, return the device."""
+    global _device
+    seed_everything(seed)
+    _device = get_device(device)
+    print(environment_line(_device))
+    return _device
+
+
+def on_gpu() -> bool:
+    return device().type == "cuda"
+
+
+def pick(cpu, gpu):
+    """The value for the current device: small sizes on a laptop CPU, large ones on a GPU."""
+    return gpu if on_gpu() else cpu
