@@ -186,3 +186,50 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, generat
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+
+
+def tiny_config(vocab_size: int, **overrides) -> ModelConfig:
+    """The small LM that the chapters train on the built-in arithmetic task: a few seconds
+    of CPU training. Override any field, e.g. ``tiny_config(v, norm="layernorm")``."""
+    fields = dict(vocab_size=vocab_size, context_length=64, d_model=64, num_layers=2, num_heads=4, d_ff=172)
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+# Published architectures (the models' Hugging Face config.json files), for sizing weights and
+# KV caches: build one on the ``meta`` device to count parameters without allocating memory,
+# e.g. ``TransformerLM(PRESETS["qwen3-8b"], device="meta").num_params()``.
+PRESETS: dict[str, ModelConfig] = {
+    # Qwen3-8B: GQA 32 query / 8 KV heads, QK-norm, untied embeddings; 8.19B parameters.
+    "qwen3-8b": ModelConfig(
+        vocab_size=151936, context_length=40960, d_model=4096, num_layers=36, num_heads=32, num_kv_heads=8,
+        head_dim=128, d_ff=12288, rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True,
+    ),
+    # Llama-3-8B: GQA 32 / 8, 128k-token vocabulary; 8.03B parameters.
+    "llama3-8b": ModelConfig(
+        vocab_size=128256, context_length=8192, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+        d_ff=14336, rope_theta=500_000.0,
+    ),
+    # Llama-2-7B: plain MHA (32 KV heads), the baseline GQA was invented to shrink; 6.74B parameters.
+    "llama2-7b": ModelConfig(
+        vocab_size=32000, context_length=4096, d_model=4096, num_layers=32, num_heads=32, d_ff=11008,
+    ),
+    # Llama-2-70B: GQA 64 / 8; 68.98B parameters.
+    "llama2-70b": ModelConfig(
+        vocab_size=32000, context_length=4096, d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+        d_ff=28672,
+    ),
+    # Gemma-2B: MQA (one KV head of dim 256), GeGLU, tied embeddings; 2.51B parameters. (Gemma's
+    # GELU is the tanh approximation and it scales embeddings by sqrt(d_model); neither changes
+    # the parameter count or the KV cache.)
+    "gemma-2b": ModelConfig(
+        vocab_size=256000, context_length=8192, d_model=2048, num_layers=18, num_heads=8, num_kv_heads=1,
+        head_dim=256, d_ff=16384, norm_eps=1e-6, activation="gelu", tie_embeddings=True,
+    ),
+}
+
+
+def count_parameters(config: ModelConfig) -> int:
+    """Parameters of ``TransformerLM(config)``, counted on the ``meta`` device (no memory used),
+    so it works for a 70B-parameter preset on a laptop."""
+    return TransformerLM(config, device="meta").num_params()

@@ -28,7 +28,8 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         )
     if targets.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"targets: expected integer class ids, got {targets.dtype}")
-    logits = logits.float()
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
     peak = logits.amax(dim=-1, keepdim=True).detach()
     log_norm = (logits - peak).exp().sum(dim=-1).log() + peak.squeeze(-1)
     target_logit = logits.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,65 @@
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import labkit
+from labkit import runtime
+
+
+def test_setup_seeds_and_returns_device(capsys):
+    dev = labkit.setup(seed=3)
+    line = capsys.readouterr().out
+    assert isinstance(dev, torch.device)
+    assert "torch" in line and str(dev) in line
+    a = torch.rand(3)
+    labkit.setup(seed=3)
+    assert torch.equal(a, torch.rand(3))
+
+
+def test_pick_follows_device(monkeypatch):
+    monkeypatch.setattr(runtime, "_device", torch.device("cpu"))
+    assert labkit.pick(cpu=1, gpu=2) == 1
+    monkeypatch.setattr(runtime, "_device", torch.device("cuda"))
+    assert labkit.pick(cpu=1, gpu=2) == 2
+
+
+def test_env_var_chooses_device(monkeypatch):
+    monkeypatch.setenv("LABKIT_DEVICE", "cpu")
+    assert runtime.get_device() == torch.device("cpu")
+
+
+@pytest.mark.parametrize("bad", ["cuda:99", "tpu"])
+def test_unavailable_device_raises(bad):
+    if bad == "cuda:99" and torch.cuda.device_count() > 99:
+        pytest.skip("a machine with 100 GPUs")
+    with pytest.raises((ValueError, RuntimeError), match="device|Expected"):
+        runtime.get_device(bad)
+
+
+@pytest.mark.skipif(not runtime.triton_installed(), reason="triton not installed")
+def test_interpreter_switched_on_without_gpu():
+    if runtime.needs_interpreter():
+        assert os.environ["TRITON_INTERPRET"] == "1"
+        assert runtime.triton_mode() == "interpreter"
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    full_env.update(LABKIT_DEVICE="cpu", **env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=120)
+
+
+@pytest.mark.skipif(not runtime.triton_installed(), reason="triton not installed")
+def test_importing_triton_first_gives_clear_error():
+    result = _run("import triton; import labkit")
+    assert result.returncode != 0
+    assert "TritonImportOrderError" in result.stderr and "import labkit" in result.stderr
+
+
+@pytest.mark.skipif(not runtime.triton_installed(), reason="triton not installed")
+def test_triton_first_is_fine_when_interpreter_already_on():
+    result = _run("import triton; import labkit; print('ok')", TRITON_INTERPRET="1")
+    assert result.returncode == 0 and "ok" in result.stdout
