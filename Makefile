@@ -28,19 +28,20 @@ lab: $(VENV)/.installed-lab
 	$(BIN)/jupyter lab --ip=127.0.0.1 --port=$(PORT) --notebook-dir=notebooks
 
 ## Unit tests + every notebook under nbval, on the CPU so results match the stored outputs.
+## One thread per pytest worker: JOBS workers share the cores instead of oversubscribing them.
 test: $(VENV)/.installed-test
-	LABKIT_DEVICE=cpu $(BIN)/python -m pytest -n $(JOBS) --dist loadfile \
+	LABKIT_DEVICE=cpu OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(JOBS) --dist loadfile \
 		--nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg tests notebooks
 
 ## Unit tests only (fast feedback while editing labkit).
 unit: $(VENV)/.installed-test
-	LABKIT_DEVICE=cpu $(BIN)/python -m pytest -n $(JOBS) tests
+	LABKIT_DEVICE=cpu OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(JOBS) tests
 
 ## Re-execute notebooks in place on the CPU to refresh their stored outputs (NB=notebooks/00_foundations.ipynb for one).
 NB ?= notebooks/[0-9]*.ipynb
 notebooks: $(VENV)/.installed-test
 	for nb in $(NB); do \
-		LABKIT_DEVICE=cpu $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
+		LABKIT_DEVICE=cpu OMP_NUM_THREADS=1 $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
 			--ExecutePreprocessor.timeout=300 "$$nb" || exit 1; \
 	done
 

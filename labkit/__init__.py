@@ -12,3 +12,13 @@ from labkit.show import show_source  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["device", "pick", "seed_everything", "setup", "show_source"]
+
+
+def __getattr__(name: str):
+    """Import submodules on first use, so ``labkit.checks.get_batch(...)`` works after ``import labkit``."""
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec(f"labkit.{name}") is None:
+        raise AttributeError(f"module 'labkit' has no attribute {name!r}")
+    return importlib.import_module(f"labkit.{name}")

@@ -116,6 +116,14 @@ class ArithmeticTask:
 
     def evaluate(self, model, split: str = "val", max_examples: int | None = None, device=None, use_cache: bool = True) -> float:
         """Exact-match accuracy of greedy answers on ``split`` (first ``max_examples`` pairs)."""
+        return self._answer_matches(model, split, max_examples, device, use_cache).all(dim=1).float().mean().item()
+
+    def digit_accuracy(self, model, split: str = "val", max_examples: int | None = None, device=None, use_cache: bool = True) -> list[float]:
+        """Accuracy of each answer character separately, in the order they are written."""
+        return self._answer_matches(model, split, max_examples, device, use_cache).float().mean(dim=0).tolist()
+
+    def _answer_matches(self, model, split, max_examples, device, use_cache) -> torch.Tensor:
+        """``[examples, answer_width]`` booleans: greedy answer character == correct character."""
         from labkit.model import generate
 
         pairs = self.pairs(split)[:max_examples]
@@ -126,7 +134,7 @@ class ArithmeticTask:
         out = generate(model, prompts, max_new_tokens=self.answer_width, use_cache=use_cache)
         predicted = out[:, self.prompt_length :].cpu()
         expected = torch.tensor([self.tokenizer.encode(self.answer(a, b)) for a, b in pairs])
-        return (predicted == expected).all(dim=1).float().mean().item()
+        return predicted == expected
 
 
 def get_batch(dataset: np.ndarray, batch_size: int, context_length: int, device) -> tuple[torch.Tensor, torch.Tensor]:

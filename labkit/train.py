@@ -170,7 +170,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     eval_every: int = 50  # validation loss every N steps (and after the last)
     eval_batches: int = 4
-    checkpoint_path: str | None = None
+    checkpoint_path: str | None = None  # may contain "{step}", e.g. "run/ckpt-{step}.pt", to keep every one
     checkpoint_every: int = 0  # 0 = never
 
     def __post_init__(self):
@@ -282,7 +282,7 @@ def train(
             history.val_loss.append(estimate_loss(model, val_data, config, device, autocast_dtype))
             bar.set_postfix(train=f"{loss.item():.3f}", val=f"{history.val_loss[-1]:.3f}")
         if config.checkpoint_every and done % config.checkpoint_every == 0:
-            save_checkpoint(model, optimizer, done, config.checkpoint_path)
+            save_checkpoint(model, optimizer, done, config.checkpoint_path.format(step=done))
         if callback is not None:
             callback(done, loss.item())
     return history

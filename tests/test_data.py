@@ -89,6 +89,15 @@ def test_evaluate_measures_exact_match():
     assert task.evaluate(_Oracle(task, True), "val", max_examples=200, use_cache=False) == pytest.approx(expected)
 
 
+def test_digit_accuracy_locates_the_wrong_digit():
+    task = ArithmeticTask(num_digits=2)
+    pairs = task.pairs("val")[:100]
+    odd = float(np.mean(pairs[:, 0] % 2 == 1))
+    accuracy = task.digit_accuracy(_Oracle(task, True), "val", max_examples=100, use_cache=False)
+    assert accuracy[:-1] == [1.0] * (task.answer_width - 1)  # only the last digit is ever wrong
+    assert accuracy[-1] == pytest.approx(1 - odd)
+
+
 def test_get_batch_shapes_shift_and_range():
     data = np.arange(100)
     x, y = get_batch(data, 8, 16, "cpu")

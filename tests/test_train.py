@@ -149,6 +149,13 @@ def test_resume_continues_the_identical_trajectory(tmp_path):
     assert second.step[0] == 7
 
 
+def test_checkpoint_path_with_step_keeps_every_checkpoint(tmp_path):
+    task, model = _tiny()
+    config = TrainConfig(steps=4, batch_size=2, context_length=4, checkpoint_path=str(tmp_path / "c-{step}.pt"), checkpoint_every=2)
+    train(model, task.tokens("train"), None, config, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c-2.pt", "c-4.pt"]
+
+
 def test_train_reduces_loss_and_records_history():
     task, model = _tiny()
     config = TrainConfig(steps=60, batch_size=16, context_length=12, eval_every=20, max_lr=1e-2)

@@ -12,15 +12,14 @@ def fail(tried: str, got, expected, hint: str) -> None:
     raise CheckFailed(f"\n  tried:    {tried}\n  got:      {got}\n  expected: {expected}\n  hint:     {hint}")
 
 
-def call(fn, tried: str, *args, **kwargs):
+def call(fn, tried: str, *args, hint: str = "run that call yourself and read the traceback", **kwargs):
     """Call the learner's function; an exception becomes a CheckFailed that says where."""
     try:
         return fn(*args, **kwargs)
     except CheckFailed:
         raise
     except Exception as err:  # the learner's code may raise anything
-        raise CheckFailed(f"\n  tried:    {tried}\n  raised:   {type(err).__name__}: {err}\n  hint:     "
-                          "run that call yourself and read the traceback") from err
+        raise CheckFailed(f"\n  tried:    {tried}\n  raised:   {type(err).__name__}: {err}\n  hint:     {hint}") from err
 
 
 def as_tensor(value, tried: str) -> torch.Tensor:

@@ -16,7 +16,9 @@ def get_batch(fn) -> None:
     for n, batch_size, context_length in [(50, 4, 8), (300, 16, 1), (12, 3, 11)]:
         dataset = np.arange(n, dtype=np.int64) * 7 + 3
         tried = f"fn(dataset of {n} tokens, batch_size={batch_size}, context_length={context_length}, device='cpu')"
-        out = call(fn, tried, dataset, batch_size, context_length, "cpu")
+        hint = ("with len(dataset) == context_length + 1 there is exactly one window, starting at 0: "
+                "the last valid start is len(dataset) - context_length - 1")
+        out = call(fn, tried, dataset, batch_size, context_length, "cpu", hint=hint)
         if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
             fail(tried, type(out).__name__, "a tuple (x, y) of two tensors", "return x, y")
         x, y = out

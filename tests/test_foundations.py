@@ -1,0 +1,63 @@
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest
+import torch
+
+from labkit.foundations import element_address, init_statistics, tensor_layout
+from labkit.widgets_foundations import show_init_statistics
+
+
+def test_tensor_layout_views_and_copies():
+    x = torch.arange(12.0).reshape(3, 4)
+    assert tensor_layout(x) == {"shape": (3, 4), "stride": (4, 1), "offset": 0, "contiguous": True, "storage_bytes": 48}
+    t = tensor_layout(x.T, base=x)
+    assert t["stride"] == (1, 4) and not t["contiguous"] and t["shares_storage"]
+    assert tensor_layout(x[1:, 2:], base=x)["offset"] == 6
+    assert not tensor_layout(x.T.contiguous(), base=x)["shares_storage"]
+
+
+def test_element_address_matches_storage():
+    x = torch.arange(60.0).reshape(3, 4, 5)
+    flat = torch.arange(60.0)
+    for view in (x, x.transpose(0, 2), x[1:, ::2, 3:]):
+        for index in [(0,) * view.dim(), tuple(s - 1 for s in view.shape)]:
+            assert flat[element_address(view, index)] == view[index]
+    with pytest.raises(ValueError, match="index"):
+        element_address(x, (0, 0))
+    with pytest.raises(ValueError, match="out of range"):
+        element_address(x, (3, 0, 0))
+
+
+@pytest.mark.parametrize("scale", [0.9, 1.1])
+def test_linear_stack_scales_rms_by_scale_per_layer(scale):
+    stats = init_statistics(scale, depth=16, width=512, activation="linear")
+    ratios = torch.tensor(stats.activation_rms[1:]) / torch.tensor(stats.activation_rms[:-1])
+    assert ratios.mean().item() == pytest.approx(scale, rel=0.02)
+    assert stats.activation_rms[-1] == pytest.approx(scale**16, rel=0.3)
+    # backward: the gradient reaching layer 1 has been scaled by the 15 layers above it
+    assert stats.gradient_rms[0] / stats.gradient_rms[-1] == pytest.approx(scale**15, rel=0.3)
+
+
+def test_he_init_keeps_relu_signal_alive_and_lecun_does_not():
+    he = init_statistics(2**0.5, depth=32, activation="relu")
+    lecun = init_statistics(1.0, depth=32, activation="relu")
+    assert he.activation_rms[-1] > 0.3
+    assert lecun.activation_rms[-1] < 1e-3
+
+
+def test_init_statistics_errors():
+    with pytest.raises(ValueError, match="scale"):
+        init_statistics(0.0)
+    with pytest.raises(ValueError, match="activation"):
+        init_statistics(1.0, activation="swish")
+
+
+def test_widget_callback_plots_and_validates():
+    fig = show_init_statistics(1.5, "relu", depth=8)
+    assert len(fig.axes) == 2 and len(fig.axes[0].lines) == 2
+    with pytest.raises(ValueError, match="scale"):
+        show_init_statistics(10.0)
+    with pytest.raises(ValueError, match="depth"):
+        show_init_statistics(1.0, depth=0)
