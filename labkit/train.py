@@ -219,6 +219,25 @@ def estimate_loss(model: torch.nn.Module, data: np.ndarray, config: TrainConfig,
     return float(np.mean(losses))
 
 
+@torch.no_grad()
+def loss_per_position(model: torch.nn.Module, data: np.ndarray, batch_size: int, context_length: int, device=None, seed: int = 0) -> torch.Tensor:
+    """Mean next-token loss at each position of the context window, ``[context_length]``.
+
+    Early positions see little context, so their loss is higher: a window that starts in the
+    middle of an example does not yet know where in the example it is."""
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    rng_state = torch.get_rng_state()
+    torch.manual_seed(seed)
+    x, y = get_batch(data, batch_size, context_length, device)
+    torch.set_rng_state(rng_state)
+    logits = model(x).float()
+    losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y, reduction="none")
+    model.train(was_training)
+    return losses.mean(dim=0).cpu()
+
+
 def _autocast(device, dtype):
     device_type = torch.device(device).type
     return torch.autocast(device_type=device_type, dtype=dtype, enabled=dtype is not None)

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from labkit.data import ArithmeticTask
 from labkit.model import TransformerLM, tiny_config
-from labkit.train import (AdamW, TrainConfig, clip_grad_norm, cross_entropy, load_checkpoint, lr_cosine_schedule,
-                          make_optimizer, save_checkpoint, train)
+from labkit.train import (AdamW, TrainConfig, clip_grad_norm, cross_entropy, load_checkpoint, loss_per_position,
+                          lr_cosine_schedule, make_optimizer, save_checkpoint, train)
 
 
 @pytest.mark.parametrize("shape", [(5, 11), (2, 3, 17), (1, 1)])
@@ -170,3 +170,16 @@ def test_train_config_errors():
         TrainConfig(steps=0)
     with pytest.raises(ValueError, match="checkpoint_path"):
         TrainConfig(checkpoint_every=5)
+
+
+def test_loss_per_position_averages_to_the_batch_loss():
+    task, model = _tiny()
+    data = task.tokens("val")
+    per_position = loss_per_position(model, data, batch_size=8, context_length=12, seed=3)
+    torch.manual_seed(3)
+    from labkit.data import get_batch
+    x, y = get_batch(data, 8, 12, "cpu")
+    with torch.no_grad():
+        expected = cross_entropy(model(x), y)
+    assert per_position.shape == (12,)
+    torch.testing.assert_close(per_position.mean(), expected)

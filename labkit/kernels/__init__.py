@@ -1,13 +1,14 @@
 """Triton kernels, one op per module, each with a PyTorch reference beside it.
 
-Names are resolved lazily, so ``import labkit.kernels`` works on machines without Triton;
-using a kernel there raises an ImportError that says why (notebooks then use the reference).
+``labkit.kernels.rmsnorm`` etc. are the ops' launcher functions. On a platform without Triton
+``import labkit.kernels`` still works, ``available()`` says why the kernels cannot run, and using
+one raises an ImportError that says so (notebooks then use the PyTorch reference).
 """
 from __future__ import annotations
 
-import importlib
+from labkit.runtime import triton_installed, triton_mode
 
-_EXPORTS = {
+_OPS = {
     "rmsnorm": "rmsnorm",
     "softmax": "softmax",
     "swiglu": "swiglu",
@@ -16,22 +17,29 @@ _EXPORTS = {
     "flash_attention": "flash_attention",
     "flash_attention_with_lse": "flash_attention",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(_OPS)
+
+_UNAVAILABLE = "Triton is not installed on this platform (it ships Linux wheels only), so cells use the PyTorch reference"
 
 
 def available() -> tuple[bool, str]:
     """``(True, mode)`` if the Triton kernels can run here, else ``(False, reason)``."""
-    from labkit.runtime import triton_installed, triton_mode
-
     if not triton_installed():
-        return False, "Triton is not installed on this platform (it ships Linux wheels only), so cells use the PyTorch reference"
+        return False, _UNAVAILABLE
     return True, triton_mode()
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
+if triton_installed():
+    # Bind the functions explicitly: importing a submodule sets a package attribute of the same
+    # name (labkit.kernels.rmsnorm would otherwise be the module, not the function).
+    from labkit.kernels.flash_attention import flash_attention, flash_attention_with_lse  # noqa: E402
+    from labkit.kernels.fp8 import fp8_dequantize, fp8_quantize  # noqa: E402
+    from labkit.kernels.rmsnorm import rmsnorm  # noqa: E402
+    from labkit.kernels.softmax import softmax  # noqa: E402
+    from labkit.kernels.swiglu import swiglu  # noqa: E402
+else:
+
+    def __getattr__(name: str):
+        if name in _OPS:
+            raise ImportError(f"labkit.kernels.{name}: {_UNAVAILABLE}")
         raise AttributeError(f"module 'labkit.kernels' has no attribute {name!r}")
-    ok, reason = available()
-    if not ok:
-        raise ImportError(f"labkit.kernels.{name}: {reason}")
-    return getattr(importlib.import_module(f"labkit.kernels.{_EXPORTS[name]}"), name)
