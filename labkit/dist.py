@@ -1,0 +1,538 @@
+"""Distributed training with ``torch.distributed``, run for real in local processes.
+
+:func:`launch` starts ``world_size`` Python processes that form a process group (gloo on CPU,
+NCCL on GPUs: the same code either way) and runs ``fn(rank, world_size, **kwargs)`` in each.
+On top of the collectives this module builds, from scratch: a ring all-reduce out of
+point-to-point sends (:func:`ring_all_reduce`), data parallelism that all-reduces gradients
+one parameter at a time (:class:`DDPIndividual`) or in buckets (:class:`DDPBucketed`), and a
+ZeRO-1 optimizer that shards optimizer state (:class:`ShardedOptimizer`). The per-rank
+functions the notebook runs live in :mod:`labkit.dist_demos` (a process can only be handed a
+function it can import, never one defined in a notebook).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVES = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter")
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised, crashed or did not finish within the launch timeout."""
+
+
+class RankResults(dict):
+    """``{rank: return value}``, plus ``.outputs``: ``{rank: what that rank printed}``."""
+
+    def __init__(self, results: dict, outputs: dict):
+        super().__init__(results)
+        self.outputs = outputs
+
+
+# ----------------------------------------------------------------------------- launching
+def resolve_backend(backend: str, world_size: int) -> str:
+    """'auto' means NCCL when every rank can have its own GPU, else gloo (CPU)."""
+    if backend == "auto":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return "nccl" if gpus >= world_size and os.environ.get("LABKIT_DEVICE", "cuda").startswith("cuda") else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: expected 'auto', 'gloo' or 'nccl'")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"backend='nccl' needs one GPU per rank: world_size={world_size}, GPUs={torch.cuda.device_count()}")
+    return backend
+
+
+def rank_device() -> torch.device:
+    """The device this rank computes on: its own GPU under NCCL, the CPU under gloo."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def launch(fn, world_size: int = 2, backend: str = "auto", timeout: float = 120, quiet: bool = False, **kwargs) -> RankResults:
+    """Run ``fn(rank, world_size, **kwargs)`` in ``world_size`` fresh processes that form a
+    process group; return ``{rank: result}`` (results must be picklable; tensors come back on
+    the CPU).
+
+    Each rank's stdout goes to its own file and is printed afterwards, rank by rank, each line
+    prefixed ``[rank r]`` (unless ``quiet``), so outputs never interleave. The ranks meet at a
+    TCP store this process opens on a free port (port 0: the OS picks one), so launches can run
+    side by side. If a rank raises or dies, the others are killed and :class:`RankFailedError`
+    shows that rank's traceback; if the ranks are not done within ``timeout`` seconds, they
+    are killed and the error says which ranks were still running. No process outlives the call.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn: expected a function, got {type(fn).__name__}")
+    module = getattr(fn, "__module__", None)
+    if module in (None, "__main__") or "<locals>" in getattr(fn, "__qualname__", "<locals>"):
+        raise TypeError(
+            f"fn={getattr(fn, '__qualname__', fn)!r} is defined in {module or 'an unknown module'}: the ranks are new processes "
+            "that import fn by name, so define it at the top level of an importable module (e.g. labkit.dist_demos), not in a notebook"
+        )
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: expected a positive integer")
+    if not timeout > 0:
+        raise ValueError(f"timeout={timeout!r}: expected a positive number of seconds")
+    backend = resolve_backend(backend, world_size)
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout))
+    with tempfile.TemporaryDirectory(prefix="labkit-launch-") as run_dir:
+        run = Path(run_dir)
+        torch.save({"fn": fn, "kwargs": kwargs, "world_size": world_size, "backend": backend, "port": store.port, "timeout": timeout}, run / "spec.pt")
+        procs = _start_ranks(run, world_size)
+        try:
+            _wait(procs, run, time.monotonic() + timeout, timeout)
+        finally:
+            _kill(procs)
+            del store
+        outputs = {r: (run / f"stdout_{r}.txt").read_text() for r in range(world_size)}
+        results = {r: torch.load(run / f"result_{r}.pt", map_location="cpu", weights_only=False) for r in range(world_size)}
+    if not quiet:
+        for rank in range(world_size):
+            for line in outputs[rank].splitlines():
+                print(f"[rank {rank}] {line}")
+    return RankResults(results, outputs)
+
+
+def _child_env() -> dict:
+    env = dict(os.environ)
+    paths = [os.getcwd() if p == "" else p for p in sys.path if p == "" or os.path.isdir(p)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")  # the ranks share this machine's cores
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    return env
+
+
+def _start_ranks(run: Path, world_size: int) -> list[subprocess.Popen]:
+    env, procs = _child_env(), []
+    for rank in range(world_size):
+        with open(run / f"stdout_{rank}.txt", "wb") as out, open(run / f"stderr_{rank}.txt", "wb") as err:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", "from labkit.dist import _rank_main; _rank_main()", str(run), str(rank)],
+                stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
+                start_new_session=True,  # its own process group: killing it takes any children along
+            ))
+    return procs
+
+
+def _wait(procs: list[subprocess.Popen], run: Path, deadline: float, timeout: float) -> None:
+    while True:
+        codes = [p.poll() for p in procs]
+        if any(c not in (None, 0) for c in codes):
+            raise _failure(procs, run)
+        if all(c == 0 for c in codes):
+            return
+        if time.monotonic() > deadline:
+            running = [r for r, c in enumerate(codes) if c is None]
+            raise RankFailedError(
+                f"timeout={timeout:g} s: rank(s) {running} did not finish (a hang: e.g. a rank waits in a collective "
+                f"that another rank never calls); all ranks were killed.\n"
+                + "\n".join(f"--- rank {r} stdout (last lines) ---\n{_tail(run / f'stdout_{r}.txt')}" for r in running)
+            )
+        time.sleep(0.02)
+
+
+def _failure(procs: list[subprocess.Popen], run: Path) -> RankFailedError:
+    """The error for the rank that failed *first*: when one rank dies, its peers fail a moment
+    later in their next collective, and their errors ("connection closed by peer") only hide the cause."""
+    time.sleep(0.3)
+    codes = [p.poll() for p in procs]
+    failed = [r for r, c in enumerate(codes) if c not in (None, 0) or (run / f"failed_{r}").exists()]
+    rank = min(failed, key=lambda r: (_failure_time(run, r), r))
+    if codes[rank] is None:  # it raised but may still be writing its traceback
+        try:
+            codes[rank] = procs[rank].wait(timeout=3)
+        except subprocess.TimeoutExpired:
+            pass
+    others = [r for r in failed if r != rank]
+    consequence = f" (rank(s) {others} failed after it, most likely as a consequence)" if others else ""
+    status = f"exit code {codes[rank]}" if codes[rank] is not None else "raised"
+    return RankFailedError(
+        f"rank {rank} failed ({status}){consequence}; the other ranks were stopped.\n"
+        f"--- rank {rank} stderr (last lines) ---\n{_tail(run / f'stderr_{rank}.txt')}\n"
+        f"--- rank {rank} stdout (last lines) ---\n{_tail(run / f'stdout_{rank}.txt')}"
+    )
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                if hasattr(os, "killpg"):
+                    os.killpg(p.pid, signal.SIGKILL)
+                else:  # Windows: no process groups
+                    p.kill()
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        p.wait()  # reap: no zombies left behind
+
+
+def _failure_time(run: Path, rank: int) -> float:
+    try:
+        return float((run / f"failed_{rank}").read_text())
+    except (OSError, ValueError):  # no stamp: it crashed without Python noticing (or is writing it now)
+        return float("inf")
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return "\n".join(text.splitlines()[-lines:]) or "(empty)"
+
+
+def _rank_main() -> None:
+    """Entry point of one rank (``python -c ... <run_dir> <rank>``)."""
+    import traceback
+
+    import labkit  # noqa: F401  (sets up Triton's mode before anything imports it)
+
+    run, rank = Path(sys.argv[1]), int(sys.argv[2])
+    spec = torch.load(run / "spec.pt", weights_only=False)
+    world_size, backend = spec["world_size"], spec["backend"]
+    timeout = datetime.timedelta(seconds=spec["timeout"])
+    failed_marker = run / f"failed_{rank}"
+    try:
+        store = dist.TCPStore("127.0.0.1", spec["port"], world_size + 1, is_master=False, timeout=timeout)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        try:
+            result = spec["fn"](rank, world_size, **spec["kwargs"])
+        except BaseException:
+            # stamped before the group is torn down, which makes the peers fail a moment later
+            failed_marker.write_text(repr(time.time()))
+            raise
+        finally:
+            dist.destroy_process_group()
+        torch.save(_to_cpu(result), run / f"result_{rank}.pt")
+    except BaseException:
+        if not failed_marker.exists():
+            failed_marker.write_text(repr(time.time()))
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+# ----------------------------------------------------------------------------- ring all-reduce
+def ring_chunk(rank: int, step: int, world_size: int) -> int:
+    """Index of the chunk ``rank`` sends to ``rank + 1`` at ``step`` of a ring all-reduce.
+
+    Steps ``0 .. N-2`` reduce-scatter: rank ``r`` sends chunk ``(r - step) mod N`` and adds
+    the chunk it receives from ``r - 1`` into its own copy; afterwards rank ``r`` holds the
+    full sum of chunk ``(r + 1) mod N``. Steps ``N-1 .. 2N-3`` all-gather: each rank passes
+    along the finished chunk it got last, and the receiver overwrites its copy.
+    """
+    if step < world_size - 1:
+        return (rank - step) % world_size
+    return (rank + 1 - (step - (world_size - 1))) % world_size
+
+
+def ring_allreduce_step(buffers: list[list[torch.Tensor]], step: int) -> list[list[torch.Tensor]]:
+    """One step of the ring all-reduce on every rank at once (no processes, for reading and
+    grading): ``buffers[r][c]`` is rank ``r``'s copy of chunk ``c``. Returns new buffers (the
+    input is not modified) after every rank ``r`` sent chunk ``ring_chunk(r, step, N)`` to rank
+    ``r + 1``: added there during reduce-scatter (``step < N - 1``), copied during all-gather."""
+    n = len(buffers)
+    if n < 1 or any(len(b) != n for b in buffers):
+        raise ValueError(f"buffers: expected N lists of N chunks (one list per rank), got lengths {[len(b) for b in buffers]}")
+    if not 0 <= step < 2 * (n - 1):
+        raise ValueError(f"step={step}: expected 0 <= step < 2*(N-1) = {2 * (n - 1)}")
+    new = [[c.clone() for c in b] for b in buffers]
+    for sender in range(n):
+        chunk, receiver = ring_chunk(sender, step, n), (sender + 1) % n
+        if step < n - 1:
+            new[receiver][chunk] = buffers[receiver][chunk] + buffers[sender][chunk]
+        else:
+            new[receiver][chunk] = buffers[sender][chunk].clone()
+    return new
+
+
+def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum ``tensor`` across all ranks in place using only point-to-point ``isend``/``irecv``
+    to the ring neighbours: ``N-1`` reduce-scatter steps, then ``N-1`` all-gather steps. Each
+    rank sends ``2(N-1)/N`` of the tensor in total, whatever ``N`` is: the reason NCCL's ring
+    all-reduce is bandwidth-optimal. Equals ``dist.all_reduce(tensor)`` (up to float rounding)."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    if n == 1:
+        return tensor
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+    chunks = list(flat.tensor_split(n))  # views into flat: writing a chunk writes the tensor
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(2 * (n - 1)):
+        send_idx, recv_idx = ring_chunk(rank, step, n), ring_chunk(left, step, n)
+        incoming = torch.empty_like(chunks[recv_idx])
+        requests = [dist.isend(chunks[send_idx].contiguous(), right), dist.irecv(incoming, left)]
+        for req in requests:
+            req.wait()
+        if step < n - 1:
+            chunks[recv_idx].add_(incoming)
+        else:
+            chunks[recv_idx].copy_(incoming)
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat.view_as(tensor))
+    return tensor
+
+
+def allreduce_time(nbytes: float, world_size: int, bandwidth: float, latency: float = 0.0, algorithm: str = "ring") -> float:
+    """Seconds to all-reduce ``nbytes`` over ``world_size`` ranks with per-link ``bandwidth``
+    (bytes/s) and per-message ``latency`` (s), in the alpha-beta model.
+
+    ``ring``: ``2(N-1)`` steps each moving ``nbytes/N`` -> ``2(N-1)·latency + 2(N-1)/N·nbytes/bandwidth``
+    (reduce-scatter then all-gather, each ``(N-1)/N·nbytes/bandwidth``): nearly independent of
+    ``N``. ``naive``: every rank sends its whole tensor to rank 0, which sends the sum back to
+    every rank, all through rank 0's link -> ``2(N-1)·(latency + nbytes/bandwidth)``.
+    """
+    if nbytes < 0 or bandwidth <= 0 or latency < 0:
+        raise ValueError(f"nbytes={nbytes}, bandwidth={bandwidth}, latency={latency}: expected nbytes >= 0, bandwidth > 0, latency >= 0")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: expected a positive integer")
+    n = world_size
+    if algorithm == "ring":
+        return 2 * (n - 1) * latency + 2 * (n - 1) / n * nbytes / bandwidth
+    if algorithm == "naive":
+        return 2 * (n - 1) * (latency + nbytes / bandwidth)
+    raise ValueError(f"algorithm={algorithm!r}: expected 'ring' or 'naive'")
+
+
+def gradient_collective(strategy: str) -> str:
+    """The collective that synchronises gradients under a data-parallel ``strategy``:
+    DDP and ZeRO-1 need the full averaged gradient everywhere (``all_reduce``); ZeRO-2 and
+    ZeRO-3/FSDP keep only each rank's shard of it (``reduce_scatter``)."""
+    table = {"ddp": "all_reduce", "zero1": "all_reduce", "zero2": "reduce_scatter", "zero3": "reduce_scatter", "fsdp": "reduce_scatter"}
+    if strategy not in table:
+        raise ValueError(f"strategy={strategy!r}: expected one of {sorted(table)}")
+    return table[strategy]
+
+
+# ----------------------------------------------------------------------------- data parallelism
+def broadcast_parameters(module: torch.nn.Module, src: int = 0) -> None:
+    """Make every rank start from rank ``src``'s parameters and buffers."""
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        dist.broadcast(tensor.data, src)
+
+
+class DDPIndividual(torch.nn.Module):
+    """Data parallelism, one all-reduce per parameter.
+
+    Each rank runs the same model on its own slice of the batch. As soon as backward has
+    accumulated a parameter's gradient, a hook launches an asynchronous all-reduce of it, so
+    communication overlaps with the rest of the backward pass. Call
+    :meth:`finish_gradient_synchronization` before ``optimizer.step()``: it waits for the
+    all-reduces and divides by the world size (the mean over the whole batch).
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+        self._handles: list = []
+        self.world_size = dist.get_world_size()
+        broadcast_parameters(module)
+        for p in self._unique_params():
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _unique_params(self):
+        return list({id(p): p for p in self.module.parameters() if p.requires_grad}.values())
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        self._handles.append(dist.all_reduce(param.grad, async_op=True))
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self) -> None:
+        for handle in self._handles:
+            handle.wait()
+        self._handles.clear()
+        for p in self._unique_params():
+            if p.grad is not None:
+                p.grad.div_(self.world_size)
+
+
+class DDPBucketed(torch.nn.Module):
+    """Data parallelism with gradients all-reduced in buckets of about ``bucket_size_mb``.
+
+    Thousands of tiny all-reduces each pay the per-message latency; one giant all-reduce at
+    the end cannot overlap with backward. Buckets are the middle ground (PyTorch's DDP uses
+    25 MB): parameters are grouped in reverse order (the order backward produces their
+    gradients), and a bucket's gradients are flattened into one buffer and all-reduced
+    asynchronously the moment its last gradient is ready.
+    """
+
+    def __init__(self, module: torch.nn.Module, bucket_size_mb: float):
+        super().__init__()
+        if not bucket_size_mb > 0:
+            raise ValueError(f"bucket_size_mb={bucket_size_mb!r}: expected a positive number")
+        self.module = module
+        self.world_size = dist.get_world_size()
+        broadcast_parameters(module)
+        params = list({id(p): p for p in module.parameters() if p.requires_grad}.values())
+        limit = bucket_size_mb * 2**20
+        self.buckets: list[list[torch.Tensor]] = [[]]
+        size = 0
+        for p in reversed(params):
+            nbytes = p.numel() * p.element_size()
+            if self.buckets[-1] and size + nbytes > limit:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += nbytes
+        self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self._ready = [0] * len(self.buckets)
+        self._pending: dict[int, tuple] = {}
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        index = self._bucket_of[id(param)]
+        self._ready[index] += 1
+        if self._ready[index] == len(self.buckets[index]):
+            self._launch(index)
+
+    def _launch(self, index: int) -> None:
+        bucket = self.buckets[index]
+        for p in bucket:  # a parameter that got no gradient this step contributes zeros
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch._utils._flatten_dense_tensors([p.grad for p in bucket])
+        self._pending[index] = (dist.all_reduce(flat, async_op=True), flat)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self) -> None:
+        for index in range(len(self.buckets)):
+            if index not in self._pending:
+                self._launch(index)
+        for index, (handle, flat) in sorted(self._pending.items()):
+            handle.wait()
+            flat.div_(self.world_size)
+            bucket = self.buckets[index]
+            for p, synced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, [p.grad for p in bucket])):
+                p.grad.copy_(synced)
+        self._pending.clear()
+        self._ready = [0] * len(self.buckets)
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO stage 1: optimizer state sharded across ranks.
+
+    Every rank still holds all parameters and (after DDP) the full averaged gradient, but each
+    parameter is *owned* by one rank, the only one that keeps its optimizer state (AdamW's m
+    and v) and updates it. After the local step every owner broadcasts its updated parameters,
+    so all ranks end with the same model, exactly as the unsharded optimizer would produce,
+    while each holds only about ``1/N`` of the optimizer state. Parameters are assigned
+    greedily to the rank with the fewest elements so far, to balance the shards.
+    """
+
+    def __init__(self, params, optimizer_cls: type, **kwargs):
+        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+            raise TypeError(f"optimizer_cls: expected a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.optimizer_cls, self.optimizer_kwargs = optimizer_cls, kwargs
+        self.owner: dict[int, int] = {}
+        self._load = [0] * self.world_size
+        self.local_optimizer: torch.optim.Optimizer | None = None
+        super().__init__(params, kwargs)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        mine = []
+        for p in group["params"]:
+            if id(p) not in self.owner:
+                rank = min(range(self.world_size), key=lambda r: self._load[r])
+                self.owner[id(p)] = rank
+                self._load[rank] += p.numel()
+            if self.owner[id(p)] == self.rank:
+                mine.append(p)
+        local_group = {**{k: v for k, v in group.items() if k != "params"}, "params": mine}
+        if self.local_optimizer is None:
+            self.local_optimizer = self.optimizer_cls([local_group], **self.optimizer_kwargs)
+        else:
+            self.local_optimizer.add_param_group(local_group)
+
+    @torch.no_grad()
+    def step(self, closure=None, **kwargs):
+        for group, local in zip(self.param_groups, self.local_optimizer.param_groups):
+            local.update({k: v for k, v in group.items() if k != "params"})  # e.g. a new learning rate
+        loss = self.local_optimizer.step(closure, **kwargs)
+        handles = [dist.broadcast(p.data, src=self.owner[id(p)], async_op=True) for group in self.param_groups for p in group["params"]]
+        for handle in handles:
+            handle.wait()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+
+
+# ----------------------------------------------------------------------------- showing what happened
+def _fmt(t) -> str:
+    if t is None:
+        return "(undefined)"
+    if t.dim() == 2:
+        return " | ".join(_fmt(row) for row in t)
+    return "[" + " ".join(f"{v:g}" for v in t.tolist()) + "]"
+
+
+def collective_table(results: dict, name: str) -> str:
+    """Text table of what each rank held before and after collective ``name``, from
+    ``launch(labkit.dist_demos.collectives)`` results (``{rank: {name: (before, after)}}``)."""
+    if name not in COLLECTIVES:
+        raise ValueError(f"name={name!r}: expected one of {COLLECTIVES}")
+    lines = [f"{name}:"]
+    for rank in sorted(results):
+        before, after = results[rank][name]
+        lines.append(f"  rank {rank}: {_fmt(before):<34} -> {_fmt(after)}")
+    return "\n".join(lines)
+
+
+def plot_collectives(results: dict):
+    """One panel per collective: each rank's values before (left) and after (right), as
+    coloured cells, from ``launch(labkit.dist_demos.collectives)`` results."""
+    import matplotlib.pyplot as plt
+
+    ranks = sorted(results)
+    fig, axes = plt.subplots(1, len(COLLECTIVES), figsize=(3.1 * len(COLLECTIVES), 0.9 + 0.55 * len(ranks)))
+    for ax, name in zip(axes, COLLECTIVES):
+        for row, rank in enumerate(ranks):
+            for col, tensor in enumerate(results[rank][name]):
+                values = [] if tensor is None else tensor.reshape(-1).tolist()
+                x0 = col * 5.5
+                for i, v in enumerate(values[:8]):
+                    x = x0 + i * (4.5 / max(len(values[:8]), 1))
+                    ax.add_patch(plt.Rectangle((x, -row), 4.5 / max(len(values[:8]), 1), 0.8, color=plt.cm.tab10(int(v // 10) % 10), ec="white"))
+                    ax.text(x + 2.25 / max(len(values[:8]), 1), -row + 0.4, f"{v:g}", ha="center", va="center", fontsize=6, color="white")
+                if tensor is None:
+                    ax.text(x0 + 2.25, -row + 0.4, "undefined", ha="center", va="center", fontsize=7, color="gray")
+            ax.text(-0.3, -row + 0.4, f"rank {rank}", ha="right", va="center", fontsize=8)
+        ax.annotate("", xy=(5.4, 0.9), xytext=(4.6, 0.9), arrowprops=dict(arrowstyle="->"))
+        ax.set_xlim(-2.5, 10.2)
+        ax.set_ylim(-len(ranks) + 0.6, 1.3)
+        ax.set_title(name, fontsize=10)
+        ax.axis("off")
+    fig.tight_layout()
+    return fig

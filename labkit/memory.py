@@ -1,0 +1,450 @@
+"""What fills memory in training, predicted and measured.
+
+Training memory per device is model state (parameters, gradients, optimizer states and, in
+mixed precision, fp32 master weights) plus activations: the tensors autograd saves during the
+forward pass to compute the backward pass. Model state depends only on the parameter count and
+the dtypes; activations grow with batch x sequence (and with sequence^2 wherever attention
+scores are materialised), which is why they dominate at long context.
+
+- :class:`SavedTensorMeter` measures activations exactly, on any device: it sees every tensor
+  autograd saves (``torch.autograd.graph.saved_tensors_hooks``), counts each storage once and
+  leaves parameters out.
+- :func:`activation_terms` / :func:`estimate_training_memory` predict the same bytes from a
+  :class:`~labkit.model.ModelConfig` by walking labkit's own ``TransformerLM`` forward op by op.
+- :func:`zero_memory_per_device` is the ZeRO paper's model-state accounting.
+- :func:`measure_peak` and :func:`allocator_stats` read PyTorch's CUDA caching allocator.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from dataclasses import dataclass, fields
+
+import torch
+
+from labkit.model import ModelConfig, count_parameters
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Optimizer states per parameter: Adam(W) keeps two moments (m, v), SGD with momentum one.
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
+
+
+def _dtype(value, name: str = "param_dtype") -> torch.dtype:
+    if isinstance(value, torch.dtype) and value in DTYPES.values():
+        return value
+    if isinstance(value, str) and value in DTYPES:
+        return DTYPES[value]
+    raise ValueError(f"{name}={value!r}: expected one of {sorted(DTYPES)} or the matching torch dtype")
+
+
+def _bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# ----------------------------------------------------------------------------- measuring
+class _Saved:
+    """What the pack hook hands to autograd instead of the tensor: when autograd frees the
+    graph node that saved it, this object dies and the meter stops counting the storage."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class SavedTensorMeter:
+    """Count the bytes autograd keeps for the backward pass (the activations).
+
+    ``with SavedTensorMeter(model) as meter: loss = loss_fn(model(x), y)`` then
+    ``meter.activation_bytes`` is what is held right now: each storage counted once (``q``,
+    ``k``, ``v`` views of one buffer are one allocation), parameters left out (they are model
+    state, not activations; pass ``model`` to exclude exactly its parameters, otherwise leaf
+    tensors that require grad are excluded). A tensor an op saved only until the next op freed
+    it (e.g. behind a ``.detach()``) stops counting when autograd frees it; after
+    ``loss.backward()`` the count returns to zero. ``peak_bytes`` is the most held at once.
+    Works on any device; tensors a custom ``autograd.Function`` stores as ``ctx`` attributes
+    (instead of ``save_for_backward``) are invisible to it.
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None):
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module or None, got {type(model).__name__}")
+        self.model = model
+        self._live: dict[tuple, list] = {}  # storage key -> [nbytes, number of live saves]
+        self._param_keys: set = set()
+        self.peak_bytes = 0
+        self._current = 0
+        self._hooks = None
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> tuple:
+        storage = t.untyped_storage()
+        return (t.device.type, t.device.index, storage.data_ptr(), storage.nbytes())
+
+    def _is_parameter(self, t: torch.Tensor) -> bool:
+        if self.model is not None:
+            return self._key(t) in self._param_keys
+        base = t._base if t._base is not None else t
+        return base.is_leaf and base.requires_grad
+
+    def _pack(self, t: torch.Tensor):
+        if self._is_parameter(t):
+            return t
+        key = self._key(t)
+        entry = self._live.setdefault(key, [key[3], 0])
+        if entry[1] == 0:
+            self._current += entry[0]
+            self.peak_bytes = max(self.peak_bytes, self._current)
+        entry[1] += 1
+        saved = _Saved(t.detach())  # detached: holding a saved output with its grad_fn would be a reference cycle
+        weakref.finalize(saved, self._release, key)
+        return saved
+
+    def _release(self, key: tuple) -> None:
+        entry = self._live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self._current -= entry[0]
+            del self._live[key]
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of saved tensors still held by the autograd graph."""
+        return self._current
+
+    def __enter__(self) -> "SavedTensorMeter":
+        if self.model is not None:
+            self._param_keys = {self._key(p) for p in self.model.parameters()}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        self._hooks = None
+
+
+# ----------------------------------------------------------------------------- activation checkpointing
+@contextlib.contextmanager
+def activation_checkpointing(model: torch.nn.Module):
+    """Inside this block every ``model.layers[i]`` runs under ``torch.utils.checkpoint``:
+    the forward pass keeps only each block's input and the backward pass recomputes the block
+    (one extra forward of every block, in exchange for not storing its activations)."""
+    from torch.utils.checkpoint import checkpoint
+
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise TypeError(f"model: expected a model with a `layers` ModuleList (e.g. TransformerLM), got {type(model).__name__}")
+    for layer in layers:
+        original = layer.forward
+        # The reentrant variant keeps the block input through save_for_backward, so the meter sees it.
+        layer.forward = lambda *args, _f=original, **kw: checkpoint(_f, *args, use_reentrant=True, **kw)
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            del layer.forward  # the instance attribute shadowed the class method
+
+
+# ----------------------------------------------------------------------------- predicting activations
+def activation_terms(config: ModelConfig, batch_size: int, seq_len: int, dtype="fp32", activation_checkpointing: bool = False) -> dict[str, int]:
+    """Bytes autograd saves in one forward pass of labkit's ``TransformerLM`` plus
+    ``labkit.train.cross_entropy``, by where they come from, derived op by op from
+    ``labkit/nn.py`` (the PyTorch path; ``use_triton=False``).
+
+    Rules that set the sizes (``n = batch*seq`` rows, ``p`` bytes per element of ``dtype``):
+    a matmul saves its input (``n*d_in*p``); RMSNorm computes in fp32, so it saves its input
+    in fp32, the normalised fp32 tensor and ``1/rms`` per row (plus an fp32 copy of its
+    weight when the model is not fp32); attention materialises the ``[batch, heads, seq, seq]``
+    scores: the masked scores (kept by ``amax``), their exp and the probabilities, each
+    ``batch*heads*seq^2*p``; SwiGLU keeps the gate, ``sigmoid(gate)``, ``silu(gate)``, the up
+    projection and their product (``5 n*d_ff*p``); RoPE keeps its cos/sin tables; the loss
+    works in fp32 and keeps the logits and their exp (``2 n*vocab*4``). Token ids and targets
+    are counted as two tensors (``get_batch`` returns them as views of one buffer, which the
+    meter counts once). With ``activation_checkpointing`` a block keeps only its input; while
+    the backward pass recomputes a block, its activations (``recompute_block``) exist again,
+    one block at a time.
+    """
+    _check_sizes(batch_size=batch_size, seq_len=seq_len)
+    dt = _dtype(dtype, "dtype")
+    if config.use_triton:
+        raise ValueError("config.use_triton=True: the estimate follows the PyTorch path of labkit.nn; the Triton kernels save different tensors")
+    p, f32, low = _bytes(dt), 4, dt != torch.float32
+    n, d, heads, kv, hd, ff, vocab = batch_size * seq_len, config.d_model, config.num_heads, config.kv_heads, config.dim_per_head, config.d_ff, config.vocab_size
+
+    def norm(width: int, rows: int) -> int:
+        weight_copy = width * f32 if low else 0  # weight.float() is a new tensor unless fp32
+        if config.norm == "none":
+            return 0
+        # rmsnorm keeps x in fp32, x*inv_rms and inv_rms; layernorm computes x-mean twice
+        # (once for the variance, once for y), keeps both, y and rstd.
+        full_rows = 2 if config.norm == "rmsnorm" else 3
+        return full_rows * rows * width * f32 + rows * f32 + weight_copy
+
+    gate_saves = {"silu": 5, "gelu": 6, "relu": 4, "sigmoid": 3}[config.activation]
+    attn = {
+        "attn: norm": norm(d, n),
+        "attn: q/k/v input": n * d * p,
+        "attn: qk-norm": norm(hd, n * heads) + norm(hd, n * kv) if config.qk_norm else 0,
+        "attn: rope cos/sin": 2 * 2 * seq_len * (hd // 2) * f32,
+        "attn: q, k, v": 3 * n * heads * hd * p,
+        "attn: scores, exp, probs": 3 * batch_size * heads * seq_len * seq_len * p,
+        "attn: row max, row sum": 2 * batch_size * heads * seq_len * p,
+        "attn: causal mask": seq_len * seq_len,
+        "attn: output_proj input": n * heads * hd * p,
+    }
+    ffn = {"ffn: norm": norm(d, n), "ffn: w1/w3 input": n * d * p, "ffn: gate/up/act/product": gate_saves * n * ff * p}
+    block = {**attn, **ffn}
+    block_total = sum(block.values())
+    terms = {"token ids": n * 8}
+    if activation_checkpointing:
+        terms["block inputs (checkpointed)"] = config.num_layers * n * d * p
+    else:
+        terms.update({name: config.num_layers * value for name, value in block.items()})
+    terms["final norm"] = norm(d, n)
+    terms["lm_head input"] = n * d * p
+    # cross_entropy works in fp32: gather keeps the fp32 logits, exp() its result, log() the row sums.
+    terms["loss: logits, exp(logits), row sums, targets"] = 2 * n * vocab * f32 + n * f32 + n * 8
+    terms["recompute_block"] = block_total if activation_checkpointing else 0
+    return terms
+
+
+def _check_sizes(**values) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}={value!r}: expected a positive integer")
+
+
+# ----------------------------------------------------------------------------- model state and the total
+@dataclass
+class MemoryBreakdown:
+    """Bytes per device. ``activations`` is what the forward pass leaves saved for backward;
+    ``recompute`` is the one block that activation checkpointing rebuilds during backward."""
+
+    params: int
+    grads: int
+    optimizer_states: int
+    master_weights: int
+    activations: int
+    recompute: int = 0
+
+    @property
+    def model_state(self) -> int:
+        return self.params + self.grads + self.optimizer_states + self.master_weights
+
+    @property
+    def total(self) -> int:
+        return self.model_state + self.activations + self.recompute
+
+    def as_dict(self) -> dict[str, int]:
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "total": self.total}
+
+    def table(self, unit: str = "GB") -> str:
+        """Aligned text table in ``unit`` ('B', 'KB', 'MB', 'GB'; powers of 10^3), 4 significant digits."""
+        scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+        if unit not in scale:
+            raise ValueError(f"unit={unit!r}: expected one of {list(scale)}")
+        rows = self.as_dict()
+        return "\n".join(f"{name:<17}{value / scale[unit]:>12.4g} {unit}" for name, value in rows.items())
+
+
+def model_state_bytes(num_params: int, param_dtype="fp32", mixed_precision: bool = False, optimizer: str = "adamw", zero_stage: int = 0, world_size: int = 1) -> MemoryBreakdown:
+    """Parameters, gradients, optimizer states and master weights for ``num_params`` parameters.
+
+    Mixed precision (``param_dtype`` bf16/fp16 with ``mixed_precision=True``) keeps 16-bit
+    parameters and gradients for the forward/backward pass and an fp32 copy (master weights)
+    plus fp32 optimizer states for the update: for AdamW ``2 + 2 + 4 + 4 + 4 = 16`` bytes per
+    parameter. Without it, everything is in ``param_dtype``. ZeRO stage 1 shards optimizer
+    states and master weights across ``world_size`` devices, stage 2 also gradients, stage 3
+    also parameters (each shard ``ceil(num_params / world_size)`` elements, as a flat buffer
+    padded to equal shards).
+    """
+    _check_sizes(num_params=num_params, world_size=world_size)
+    dt = _dtype(param_dtype)
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer={optimizer!r}: expected one of {sorted(OPTIMIZER_STATES)}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage!r}: expected 0, 1, 2 or 3")
+    if mixed_precision and dt == torch.float32:
+        raise ValueError("param_dtype='fp32' with mixed_precision=True: mixed precision keeps 16-bit parameters (bf16 or fp16) beside fp32 master weights")
+    p = _bytes(dt)
+    state_bytes = 4 if mixed_precision else p
+    shard = math.ceil(num_params / world_size)
+    n_opt = shard if zero_stage >= 1 else num_params
+    n_grad = shard if zero_stage >= 2 else num_params
+    n_param = shard if zero_stage >= 3 else num_params
+    return MemoryBreakdown(
+        params=n_param * p,
+        grads=n_grad * p,
+        optimizer_states=OPTIMIZER_STATES[optimizer] * n_opt * state_bytes,
+        master_weights=n_opt * 4 if mixed_precision else 0,
+        activations=0,
+    )
+
+
+def adamw_mixed_precision_bytes(num_params: int) -> int:
+    """Model-state bytes of AdamW training in bf16 mixed precision: ``16 * num_params``."""
+    return model_state_bytes(num_params, "bf16", mixed_precision=True, optimizer="adamw").total
+
+
+def estimate_training_memory(
+    config: ModelConfig,
+    batch_size: int,
+    seq_len: int,
+    *,
+    param_dtype="fp32",
+    mixed_precision: bool = False,
+    optimizer: str = "adamw",
+    activation_checkpointing: bool = False,
+    zero_stage: int = 0,
+    world_size: int = 1,
+) -> MemoryBreakdown:
+    """Predicted training memory per device for ``TransformerLM(config)``.
+
+    ``batch_size`` is the micro-batch each device processes (data parallelism and ZeRO do not
+    shrink activations; they shrink model state). Activations are computed in ``param_dtype``
+    (see :func:`activation_terms` for the term-by-term derivation).
+    """
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config: expected a labkit.model.ModelConfig, got {type(config).__name__}")
+    if seq_len > config.context_length:
+        raise ValueError(f"seq_len={seq_len}: exceeds config.context_length={config.context_length}")
+    state = model_state_bytes(count_parameters(config), param_dtype, mixed_precision, optimizer, zero_stage, world_size)
+    terms = activation_terms(config, batch_size, seq_len, param_dtype, activation_checkpointing)
+    state.recompute = terms.pop("recompute_block")
+    state.activations = sum(terms.values())
+    return state
+
+
+def zero_memory_per_device(num_params: float, world_size: int, stage: int, k: int = 12, bytes_per_param: int = 2) -> float:
+    """Model-state bytes per device under ZeRO (Rajbhandari et al., 2020, Figure 1):
+    ``bytes_per_param`` for the parameters and again for the gradients, ``k`` bytes of
+    optimizer state per parameter (12 for mixed-precision Adam: fp32 master copy, momentum,
+    variance). Stage 1 divides the optimizer states by ``world_size``, stage 2 the gradients
+    too, stage 3 the parameters too."""
+    if not num_params > 0:
+        raise ValueError(f"num_params={num_params}: expected a positive number")
+    _check_sizes(world_size=world_size)
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage={stage!r}: expected 0, 1, 2 or 3")
+    psi, n = float(num_params), world_size
+    params = bytes_per_param * psi / (n if stage >= 3 else 1)
+    grads = bytes_per_param * psi / (n if stage >= 2 else 1)
+    optimizer = k * psi / (n if stage >= 1 else 1)
+    return params + grads + optimizer
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors an optimizer keeps in its state (measured, not predicted)."""
+    seen, total = set(), 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in seen:
+                seen.add(value.untyped_storage().data_ptr())
+                total += value.untyped_storage().nbytes()
+    return total
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of a collection of tensors (e.g. ``model.parameters()``), shared storages once."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+# ----------------------------------------------------------------------------- gradient accumulation
+def accumulated_gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, accumulation_steps: int = 1) -> list[torch.Tensor]:
+    """Gradients of the mean cross-entropy over the batch ``(x, y)``, computed in
+    ``accumulation_steps`` equal micro-batches: each micro-batch loss is divided by the number
+    of steps and backpropagated, and ``.grad`` adds them up, so the result equals one pass
+    over the full batch while only one micro-batch's activations exist at a time."""
+    from labkit.train import cross_entropy
+
+    _check_sizes(accumulation_steps=accumulation_steps)
+    if x.shape[0] % accumulation_steps:
+        raise ValueError(f"accumulation_steps={accumulation_steps}: must divide the batch size {x.shape[0]}")
+    model.zero_grad(set_to_none=True)
+    for xb, yb in zip(x.chunk(accumulation_steps), y.chunk(accumulation_steps)):
+        (cross_entropy(model(xb), yb) / accumulation_steps).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def training_step_flops(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, checkpointing: bool = False) -> int:
+    """FLOPs of one forward + backward pass, counted op by op by ``torch.utils.flop_counter``
+    (matmuls), with or without activation checkpointing: the difference is the recompute cost."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from labkit.train import cross_entropy
+
+    ctx = activation_checkpointing(model) if checkpointing else contextlib.nullcontext()
+    with ctx, FlopCounterMode(display=False) as counter:
+        cross_entropy(model(x), y).backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+# ----------------------------------------------------------------------------- the allocator (CUDA)
+def measure_peak(fn, device=None) -> int:
+    """Peak bytes the CUDA caching allocator handed out while ``fn()`` ran, above what was
+    allocated before (``torch.cuda.max_memory_allocated``). CUDA only: on CPU use
+    :class:`SavedTensorMeter` or :func:`profile_memory`."""
+    device = torch.device(device) if device is not None else torch.device("cuda")
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise RuntimeError("measure_peak needs a CUDA device (it reads torch.cuda.max_memory_allocated); on CPU use SavedTensorMeter or profile_memory")
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+def allocator_stats(device=None) -> dict[str, int]:
+    """``allocated`` (bytes in live tensors) vs ``reserved`` (bytes the caching allocator holds
+    from the driver, what ``nvidia-smi`` shows minus the CUDA context). CUDA only."""
+    device = torch.device(device) if device is not None else torch.device("cuda")
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise RuntimeError("allocator_stats needs a CUDA device; the CPU allocator keeps no such statistics")
+    return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device)}
+
+
+def fragmentation_demo(device=None, block_mb: int = 64, count: int = 8) -> list[tuple[str, int, int]]:
+    """Show why ``reserved`` exceeds ``allocated``: allocate ``count`` blocks, free every other
+    one, then ask for a block twice as large; the freed holes cannot serve it, so the allocator
+    reserves more. Returns ``(stage, allocated, reserved)`` rows. CUDA only."""
+    device = torch.device(device) if device is not None else torch.device("cuda")
+
+    def stats():
+        return allocator_stats(device)
+
+    torch.cuda.empty_cache()
+    rows = [("start", *stats().values())]
+    numel = block_mb * 2**20 // 4
+    blocks = [torch.empty(numel, device=device) for _ in range(count)]
+    rows.append((f"{count} x {block_mb} MB allocated", *stats().values()))
+    del blocks[::2]
+    rows.append(("every other block freed", *stats().values()))
+    big = torch.empty(2 * numel, device=device)
+    rows.append((f"one {2 * block_mb} MB block", *stats().values()))
+    del big, blocks
+    torch.cuda.empty_cache()
+    rows.append(("freed + empty_cache()", *stats().values()))
+    return rows
+
+
+def profile_memory(fn, row_limit: int = 8) -> str:
+    """Run ``fn()`` under ``torch.profiler`` with memory profiling and return its table of the
+    ops that allocated the most (``Self CPU Mem``/``Self CUDA Mem`` columns)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, profile_memory=True) as prof:
+        fn()
+    key = "self_cuda_memory_usage" if torch.cuda.is_available() else "self_cpu_memory_usage"
+    return prof.key_averages().table(sort_by=key, row_limit=row_limit)

@@ -1,0 +1,388 @@
+"""Chapter 02: normalization layers and activations, measured.
+
+Every experiment the notebook shows is a function here: which axis each norm normalizes
+(``axis_statistics``), why BatchNorm is awkward for sequences (``batch_dependence``),
+vanishing/exploding signals in a deep stack and how a norm fixes them (``deep_stack``),
+Pre-LN vs Post-LN gradients at initialization (``block_gradient_norms``), the activation
+functions and their derivatives (``activation_curves``), SwiGLU's ``d_ff`` (``swiglu_d_ff``,
+``ffn_param_counts``), norms in a trained model (``train_with_norms``), the Triton path
+(``use_triton_kernels``) and the bytes an RMSNorm moves (``rmsnorm_bytes``, ``count_op_bytes``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import matplotlib.pyplot as plt
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from labkit.model import TransformerBlock, TransformerLM, tiny_config
+from labkit.nn import ACTIVATIONS, GLU, BatchNorm, LayerNorm, Linear, RMSNorm, gelu
+from labkit.train import TrainConfig, cross_entropy, train
+
+NORMS = ("none", "batchnorm", "layernorm", "rmsnorm")
+DISTRIBUTIONS = ("gaussian", "outlier features", "token scales", "feature offsets")
+
+
+def make_norm(kind: str, num_features: int) -> nn.Module:
+    """A fresh normalization layer of ``kind`` (one of :data:`NORMS`; ``"none"`` is the identity)."""
+    if kind == "none":
+        return nn.Identity()
+    if kind == "batchnorm":
+        return BatchNorm(num_features)
+    if kind == "layernorm":
+        return LayerNorm(num_features)
+    if kind == "rmsnorm":
+        return RMSNorm(num_features)
+    raise ValueError(f"kind={kind!r}: expected one of {NORMS}")
+
+
+# ----------------------------------------------------------------------------- which axis
+def make_batch(distribution: str = "gaussian", batch: int = 4, seq: int = 8, d_model: int = 16, seed: int = 0) -> torch.Tensor:
+    """A ``[batch, seq, d_model]`` activation tensor with a chosen pathology.
+
+    ``"gaussian"``: N(0, 1). ``"outlier features"``: two feature channels 20x larger than the
+    rest (the "massive activations" of trained LLMs). ``"token scales"``: every token scaled by
+    its own factor between 0.1 and 10. ``"feature offsets"``: every feature shifted by its own
+    constant (a mean that BatchNorm and LayerNorm remove, RMSNorm does not).
+    """
+    if distribution not in DISTRIBUTIONS:
+        raise ValueError(f"distribution={distribution!r}: expected one of {DISTRIBUTIONS}")
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, seq, d_model, generator=gen)
+    if distribution == "outlier features":
+        x[..., : min(2, d_model)] *= 20.0
+    elif distribution == "token scales":
+        x *= 10.0 ** (2 * torch.rand(batch, seq, 1, generator=gen) - 1)
+    elif distribution == "feature offsets":
+        x += 3.0 * torch.randn(d_model, generator=gen)
+    return x
+
+
+def axis_statistics(x: torch.Tensor) -> dict[str, float]:
+    """Statistics of ``x`` ``[..., features]`` along each axis a norm could normalize.
+
+    Per token (over the features of one position): the largest |mean|, and the range of the
+    std and of the RMS. Per feature (over all positions of the batch): the largest |mean| and
+    the range of the std. Stds are biased (divide by n), as the norms use them.
+    """
+    rows = x.detach().float().reshape(-1, x.shape[-1])
+    token_mean, token_std = rows.mean(dim=1), rows.std(dim=1, unbiased=False)
+    token_rms = rows.pow(2).mean(dim=1).sqrt()
+    feature_mean, feature_std = rows.mean(dim=0), rows.std(dim=0, unbiased=False)
+    return {
+        "token |mean| max": token_mean.abs().max().item(),
+        "token std min": token_std.min().item(),
+        "token std max": token_std.max().item(),
+        "token rms min": token_rms.min().item(),
+        "token rms max": token_rms.max().item(),
+        "feature |mean| max": feature_mean.abs().max().item(),
+        "feature std min": feature_std.min().item(),
+        "feature std max": feature_std.max().item(),
+    }
+
+
+def compare_norms(x: torch.Tensor, norms=("batchnorm", "layernorm", "rmsnorm")) -> dict[str, dict[str, float]]:
+    """:func:`axis_statistics` of ``x`` and of each freshly built norm applied to it (training mode)."""
+    table = {"input": axis_statistics(x)}
+    with torch.no_grad():
+        for kind in norms:
+            table[kind] = axis_statistics(make_norm(kind, x.shape[-1])(x))
+    return table
+
+
+def batch_dependence(kind: str, change: str = "batchmates", training: bool = True, d_model: int = 16, seed: int = 0) -> float:
+    """How much one sequence's normalized output moves when the *rest of the batch* changes.
+
+    ``change="batchmates"``: the other sequences are replaced by different data.
+    ``change="padding"``: the sequence (5 real tokens) is zero-padded to 8 vs to 32 positions.
+    Returns the max abs difference of the real tokens' outputs. It is 0 for a norm that works
+    per token (LayerNorm, RMSNorm) and for BatchNorm in eval mode, which uses running statistics.
+    """
+    if change not in ("batchmates", "padding"):
+        raise ValueError(f"change={change!r}: expected 'batchmates' or 'padding'")
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randn(5, d_model, generator=gen)
+    if change == "batchmates":
+        first = torch.stack([tokens, torch.randn(5, d_model, generator=gen)])
+        second = torch.stack([tokens, 5 * torch.randn(5, d_model, generator=gen) + 2])
+    else:
+        first = torch.cat([tokens, torch.zeros(3, d_model)])[None]
+        second = torch.cat([tokens, torch.zeros(27, d_model)])[None]
+    norm = make_norm(kind, d_model)
+    if kind == "batchnorm" and not training:
+        with torch.no_grad():  # running statistics from a few earlier training batches
+            for _ in range(20):
+                norm(torch.randn(8, 5, d_model, generator=gen))
+    norm.train(training)
+    with torch.no_grad():
+        out_first, out_second = norm(first)[0, :5], norm(second)[0, :5]
+    return (out_first - out_second).abs().max().item()
+
+
+# ----------------------------------------------------------------------------- deep stacks
+@dataclass
+class StackStatistics:
+    """Per-layer std of the activations and L2 norm of the gradient flowing into them."""
+
+    norm: str
+    activation_std: list[float]
+    gradient_norm: list[float]
+
+
+def deep_stack(norm: str = "none", num_layers: int = 32, width: int = 64, batch: int = 64, activation: str = "relu",
+               gain: float = 1.0, seed: int = 0) -> StackStatistics:
+    """Push a random batch through ``num_layers`` blocks ``act(norm(W h))`` (no residuals) and
+    record, per layer, the std of its output and the norm of the loss gradient w.r.t. it.
+
+    ``W`` is labkit's ``Linear`` (Glorot init) times ``gain``. Without a norm, ReLU halves the
+    variance at every layer, so signals shrink like ``2^(-L/2)`` at ``gain=1`` and grow at
+    ``gain=2``; gradients do the same on the way back. A per-token norm (LayerNorm/RMSNorm)
+    rescales every layer's output, which makes the stack independent of ``gain``.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r}: expected one of {sorted(ACTIVATIONS)}")
+    if not gain > 0 or num_layers < 1:
+        raise ValueError(f"gain={gain}, num_layers={num_layers}: expected gain > 0 and num_layers >= 1")
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(num_layers):
+        linear = Linear(width, width)
+        with torch.no_grad():
+            linear.weight.mul_(gain)
+        layers.append((linear, make_norm(norm, width)))
+    h = torch.randn(batch, width)
+    outputs = []
+    for linear, norm_layer in layers:
+        h = ACTIVATIONS[activation](norm_layer(linear(h)))
+        h.retain_grad()
+        outputs.append(h)
+    # a loss whose gradient w.r.t. the last output is fixed unit-variance noise, whatever h's scale
+    (h * torch.randn(batch, width)).sum().div(batch).backward()
+    return StackStatistics(norm, [o.std().item() for o in outputs], [o.grad.norm().item() for o in outputs])
+
+
+class PostNormBlock(TransformerBlock):
+    """The original Transformer's Post-LN block: ``x = ln1(x + attn(x)); x = ln2(x + ffn(x))``.
+    Same submodules as labkit's Pre-LN :class:`~labkit.model.TransformerBlock`, other order."""
+
+    def forward(self, x, token_positions=None, kv_cache=None, layer_idx: int = 0):
+        x = self.ln1(x + self.attn(x, token_positions, kv_cache, layer_idx))
+        return self.ln2(x + self.ffn(x))
+
+
+def build_lm(config, placement: str = "pre") -> TransformerLM:
+    """A :class:`TransformerLM` with Pre-LN blocks (labkit's default) or Post-LN blocks (whose
+    last block already ends in a norm, so there is no final norm)."""
+    if placement not in ("pre", "post"):
+        raise ValueError(f"placement={placement!r}: expected 'pre' or 'post'")
+    model = TransformerLM(config)
+    if placement == "post":
+        rope = model.layers[0].attn.rope
+        model.layers = nn.ModuleList(PostNormBlock(config, rope) for _ in range(config.num_layers))
+        model.ln_final = nn.Identity()
+    return model
+
+
+def block_gradient_norms(placement: str, num_layers: int = 12, norm: str = "layernorm", d_model: int = 64,
+                         batch: int = 8, seq: int = 32, vocab_size: int = 64, seed: int = 0) -> list[float]:
+    """L2 norm of the gradient of every block's feed-forward weights at initialization, for a
+    cross-entropy loss on random tokens. Xiong et al. (2020) show that with Post-LN the last
+    blocks get gradients ~sqrt(L) larger than with Pre-LN: the reason Post-LN needs a learning
+    rate warmup and Pre-LN (every modern LLM) does not."""
+    torch.manual_seed(seed)
+    config = tiny_config(vocab_size, context_length=seq, d_model=d_model, num_layers=num_layers, norm=norm)
+    model = build_lm(config, placement)
+    tokens = torch.randint(0, vocab_size, (batch, seq + 1))
+    cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    return [torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in block.ffn.parameters()])).item()
+            for block in model.layers]
+
+
+# ----------------------------------------------------------------------------- activations
+def activation_functions() -> dict:
+    """Name -> function for the activations the chapter compares."""
+    return {"relu": ACTIVATIONS["relu"], "gelu": gelu, "gelu (tanh)": lambda x: gelu(x, "tanh"),
+            "silu": ACTIVATIONS["silu"], "sigmoid": torch.sigmoid}
+
+
+def activation_curves(x: torch.Tensor, names=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``name -> (f(x), f'(x))`` with the derivative from autograd."""
+    functions = activation_functions()
+    names = list(functions) if names is None else names
+    curves = {}
+    for name in names:
+        if name not in functions:
+            raise ValueError(f"names: {name!r} is not one of {sorted(functions)}")
+        xs = x.detach().clone().requires_grad_()
+        y = functions[name](xs)
+        (grad,) = torch.autograd.grad(y.sum(), xs)
+        curves[name] = (y.detach(), grad)
+    return curves
+
+
+def swiglu_d_ff(d_model: int, mlp_ratio: float = 4.0, multiple_of: int = 1) -> int:
+    """Hidden size of a SwiGLU feed-forward with the parameters of a plain ``mlp_ratio x`` MLP.
+
+    A plain MLP has 2 matrices ``d x (r d)``; a GLU has 3 matrices ``d x d_ff``, so equal
+    parameters need ``d_ff = 2 r d / 3`` (= 8/3 d for r = 4), rounded *up* to a multiple of
+    ``multiple_of`` as LLaMA does (d_model 4096, multiple_of 256 -> 11008).
+    """
+    if d_model <= 0 or multiple_of <= 0 or mlp_ratio <= 0:
+        raise ValueError(f"d_model={d_model}, mlp_ratio={mlp_ratio}, multiple_of={multiple_of}: expected positive values")
+    d_ff = int(2 * mlp_ratio * d_model / 3)
+    return multiple_of * math.ceil(d_ff / multiple_of)
+
+
+def ffn_param_counts(d_model: int, mlp_ratio: float = 4.0, multiple_of: int = 1) -> dict[str, int]:
+    """Parameters of a plain MLP ``W2 relu(W1 x)`` with ``d_ff = mlp_ratio * d_model`` and of a
+    SwiGLU with :func:`swiglu_d_ff`, counted from the modules themselves (built on ``meta``)."""
+    d_mlp = int(mlp_ratio * d_model)
+    d_glu = swiglu_d_ff(d_model, mlp_ratio, multiple_of)
+    mlp = nn.Sequential(Linear(d_model, d_mlp, device="meta"), Linear(d_mlp, d_model, device="meta"))
+    glu = GLU(d_model, d_glu, device="meta")
+    return {"mlp d_ff": d_mlp, "mlp params": sum(p.numel() for p in mlp.parameters()),
+            "swiglu d_ff": d_glu, "swiglu params": sum(p.numel() for p in glu.parameters())}
+
+
+# ----------------------------------------------------------------------------- training
+def train_with_norms(task, norms=("layernorm", "rmsnorm", "none"), train_config=None, seed: int = 0, device=None,
+                     progress: bool = False, **model_overrides) -> dict:
+    """Train the chapter-00 model (``tiny_config``) once per norm on ``task`` (an
+    :class:`~labkit.data.ArithmeticTask`) from the same seed; returns ``norm -> History``."""
+    train_config = train_config if train_config is not None else TrainConfig()
+    train_data, val_data = task.tokens("train"), task.tokens("val")
+    histories = {}
+    for kind in norms:
+        torch.manual_seed(seed)
+        model = TransformerLM(tiny_config(task.vocab_size, norm=kind, **model_overrides)).to(device)
+        histories[kind] = train(model, train_data, val_data, train_config, progress=progress)
+    return histories
+
+
+def use_triton_kernels(model: nn.Module, enabled: bool = True) -> int:
+    """Route ``model``'s RMSNorms and SiLU-gated GLUs through the Triton kernels (or back);
+    attention is left alone. Returns how many modules were switched."""
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, RMSNorm) or (isinstance(module, GLU) and module.activation == "silu"):
+            module.use_triton = enabled
+            switched += 1
+    return switched
+
+
+# ----------------------------------------------------------------------------- bytes
+class _ByteCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:  # a view only relabels memory it shares with its input
+            return out
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        self.ops.append((str(func.overloadpacket.__name__), sum(t.numel() * t.element_size() for t in tensors)))
+        return out
+
+
+def count_op_bytes(fn, *args) -> tuple[int, list[tuple[str, int]]]:
+    """Run ``fn(*args)`` op by op as PyTorch eager does and add up the bytes of every tensor each
+    op reads and writes: ``(total, [(op name, bytes), ...])``. Each eager op is a separate pass
+    over memory, so this is the traffic of the unfused computation (views move nothing and are
+    skipped)."""
+    counter = _ByteCounter()
+    with torch.no_grad(), counter:
+        fn(*args)
+    return sum(b for _, b in counter.ops), counter.ops
+
+
+def rmsnorm_bytes(n_rows: int, n_cols: int, dtype: torch.dtype = torch.bfloat16, weight_dtype: torch.dtype | None = None,
+                  num_programs: int = 132) -> dict[str, int]:
+    """Bytes an RMSNorm over ``[n_rows, n_cols]`` must move, and what labkit's kernels move.
+
+    Minimum: read ``x`` and ``weight``, write ``y`` (forward); read ``dy``, ``x``, ``weight``,
+    write ``dx``, ``dweight`` (backward). The fused forward also writes the fp32 inverse RMS of
+    each row; the backward reads it, and its ``num_programs`` programs (one per SM: 132 on an
+    H100/H200) each write one fp32 partial ``dweight`` that a final sum reads back. The weight
+    vector, read by every row, stays in cache and is counted once.
+    """
+    if min(n_rows, n_cols, num_programs) <= 0:
+        raise ValueError(f"n_rows={n_rows}, n_cols={n_cols}, num_programs={num_programs}: expected positive integers")
+    es = torch.empty((), dtype=dtype).element_size()
+    ws = torch.empty((), dtype=weight_dtype or dtype).element_size()
+    tensor, weight, rstd = n_rows * n_cols * es, n_cols * ws, n_rows * 4
+    partials = min(num_programs, n_rows) * n_cols * 4
+    return {
+        "forward minimum": 2 * tensor + weight,
+        "forward kernel": 2 * tensor + weight + rstd,
+        "backward minimum": 3 * tensor + 2 * weight,
+        "backward kernel": 3 * tensor + 2 * weight + rstd + 2 * partials,
+    }
+
+
+# ----------------------------------------------------------------------------- plots and widget callbacks
+def plot_deep_stacks(results: list[StackStatistics], title: str = ""):
+    """Two log-scale panels: activation std and gradient norm per layer, one line per stack."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for stats in results:
+        layers = range(1, len(stats.activation_std) + 1)
+        left.plot(layers, stats.activation_std, marker=".", label=stats.norm)
+        right.plot(layers, stats.gradient_norm, marker=".", label=stats.norm)
+    left.set(yscale="log", xlabel="layer", ylabel="activation std", title="forward: activations")
+    right.set(yscale="log", xlabel="layer", ylabel="gradient norm", title="backward: gradients")
+    left.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def deep_stack_view(norm: str = "none", gain: float = 1.0, activation: str = "relu", num_layers: int = 32):
+    """Widget callback: the deep-stack experiment for one setting -> ``(StackStatistics, figure)``."""
+    stats = deep_stack(norm, num_layers=num_layers, gain=gain, activation=activation)
+    return stats, plot_deep_stacks([stats], f"{norm}, gain {gain:g}, {activation}")
+
+
+def norm_explorer_view(norm: str = "layernorm", distribution: str = "outlier features", seed: int = 0):
+    """Widget callback: a batch with the chosen pathology before and after ``norm`` ->
+    ``({"input": stats, norm: stats}, figure)`` with one sequence shown as a heatmap."""
+    x = make_batch(distribution, seed=seed)
+    with torch.no_grad():
+        y = make_norm(norm, x.shape[-1])(x)
+    table = {"input": axis_statistics(x), norm: axis_statistics(y)}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3))
+    for ax, data, title in zip(axes, (x[0], y[0]), ("input", f"after {norm}")):
+        image = ax.imshow(data.numpy(), aspect="auto", cmap="RdBu_r")
+        ax.set(xlabel="feature", ylabel="token", title=f"{title} (sequence 0)")
+        fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    return table, fig
+
+
+def activation_explorer_view(name: str = "silu", up: float = 1.0):
+    """Widget callback: ``f(a)``, ``f'(a)`` and the GLU output ``f(a) * up`` over ``a`` in [-5, 5]
+    -> ``(curves, figure)`` where ``curves`` holds the three arrays."""
+    a = torch.linspace(-5, 5, 201)
+    value, slope = activation_curves(a, [name])[name]
+    curves = {"a": a, "f": value, "df": slope, "glu": value * up}
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(a, value, label=f"{name}(a)")
+    ax.plot(a, slope, "--", label=f"{name}'(a)")
+    ax.plot(a, value * up, ":", label=f"{name}(a) * b,  b = {up:g}")
+    ax.axhline(0, color="gray", lw=0.5)
+    ax.set(xlabel="a (gate pre-activation)", ylim=(-2, 5))
+    ax.legend()
+    fig.tight_layout()
+    return curves, fig
+
+
+def format_table(table: dict[str, dict[str, float]], digits: int = 3) -> str:
+    """Rows of a ``{row: {column: value}}`` table as aligned text with rounded numbers."""
+    columns = list(next(iter(table.values())))
+    width = max(len(r) for r in table)
+    lines = [" " * width + "  " + "  ".join(f"{c:>18}" for c in columns)]
+    for row, values in table.items():
+        lines.append(f"{row:>{width}}  " + "  ".join(f"{values[c]:>18.{digits}g}" for c in columns))
+    return "\n".join(lines)

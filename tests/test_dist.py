@@ -1,0 +1,188 @@
+import os
+import time
+
+import pytest
+import torch
+
+import labkit  # noqa: F401
+from labkit import dist_demos
+from labkit.dist import (
+    RankFailedError,
+    allreduce_time,
+    gradient_collective,
+    launch,
+    ring_allreduce_step,
+    ring_chunk,
+)
+
+
+def _children() -> list[int]:
+    """PIDs of this process's live children (Linux /proc)."""
+    me, kids = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == me:
+                kids.append(int(entry))
+    return kids
+
+
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc"), reason="process listing via /proc (Linux)")
+
+
+# One launch runs every demo (process start-up and `import torch` cost seconds per launch).
+@pytest.fixture(scope="module")
+def demos():
+    return launch(dist_demos.several, world_size=2, backend="gloo", timeout=300, quiet=True, demos={
+        "hello": {}, "collectives": {"numel": 3}, "ring_vs_all_reduce": {"numel": 101},
+        "data_parallel": {"steps": 2}, "zero1": {"steps": 2}, "fsdp": {"steps": 2},
+    })
+
+
+def test_launch_returns_each_rank_result_and_separate_output(demos):
+    assert sorted(demos) == [0, 1]
+    for rank in (0, 1):
+        assert demos[rank]["hello"] == f"rank {rank}: sum of ranks = 1"
+        assert demos.outputs[rank] == f"hello from rank {rank} of 2 (backend gloo)\n"
+
+
+def test_collectives_match_their_definitions(demos):
+    world = 2
+    before = {r: demos[r]["collectives"] for r in (0, 1)}
+    inputs = [before[r]["all_reduce"][0] for r in range(world)]
+    total = sum(inputs)
+    for r in range(world):
+        c = demos[r]["collectives"]
+        torch.testing.assert_close(c["broadcast"][1], before[0]["broadcast"][0])
+        torch.testing.assert_close(c["all_reduce"][1], total)
+        torch.testing.assert_close(c["all_gather"][1], torch.stack(inputs))
+        chunks = [before[q]["reduce_scatter"][0] for q in range(world)]
+        torch.testing.assert_close(c["reduce_scatter"][1], sum(ch[r] for ch in chunks))
+    torch.testing.assert_close(demos[0]["collectives"]["reduce"][1], total)
+    assert demos[1]["collectives"]["reduce"][1] is None
+    assert not torch.equal(inputs[0], inputs[1])
+
+
+def test_ring_all_reduce_equals_all_reduce(demos):
+    for r in (0, 1):
+        out = demos[r]["ring_vs_all_reduce"]
+        torch.testing.assert_close(out["ring"], out["all_reduce"])
+    torch.testing.assert_close(demos[0]["ring_vs_all_reduce"]["ring"], demos[1]["ring_vs_all_reduce"]["ring"])
+
+
+def test_ddp_classes_match_single_process_and_torch_ddp(demos):
+    for r in (0, 1):
+        out = demos[r]["data_parallel"]
+        for name in ("DDPIndividual", "DDPBucketed", "torch DDP"):
+            assert out[name] < 1e-5, (name, out[name])
+        assert out["buckets"] > 1  # the small bucket size really split the gradients
+
+
+def test_sharded_optimizer_matches_and_halves_state(demos):
+    shards = []
+    for r in (0, 1):
+        out = demos[r]["zero1"]
+        assert out["max_abs_diff"] < 1e-5
+        shards.append(out["state_bytes_sharded"])
+    full = demos[0]["zero1"]["state_bytes_unsharded"]
+    assert sum(shards) == full  # every state tensor lives on exactly one rank
+    assert max(shards) < 0.6 * full
+
+
+def test_fsdp_loss_matches_unsharded(demos):
+    for r in (0, 1):
+        out = demos[r]["fsdp"]
+        assert out["losses"] == pytest.approx(out["reference_losses"], rel=1e-5)
+        assert out["local_param_elements"] == out["full_param_elements"] // 2
+
+
+@needs_proc
+def test_failing_rank_raises_with_its_traceback_and_leaves_no_process():
+    before, start = set(_children()), time.monotonic()
+    with pytest.raises(RankFailedError, match="rank 1 failed") as info:
+        launch(dist_demos.fail_on_rank, world_size=2, backend="gloo", timeout=120, quiet=True)
+    assert "ValueError: rank 1 hit a bug" in str(info.value)
+    assert time.monotonic() - start < 60  # not the collective timeout: the parent noticed the exit
+    assert set(_children()) <= before  # (other tests' children, e.g. a notebook kernel, may exist)
+
+
+@needs_proc
+def test_hanging_rank_times_out_and_leaves_no_process():
+    before, start = set(_children()), time.monotonic()
+    with pytest.raises(RankFailedError, match="timeout=8 s"):
+        launch(dist_demos.hang_on_rank, world_size=2, backend="gloo", timeout=8, quiet=True)
+    assert time.monotonic() - start < 20
+    assert set(_children()) <= before  # (other tests' children, e.g. a notebook kernel, may exist)
+
+
+def _not_importable(rank, world_size):
+    return rank
+
+
+def test_launch_rejects_functions_it_cannot_import():
+    with pytest.raises(TypeError, match="importable module"):
+        launch(lambda rank, world_size: rank)
+
+    def local(rank, world_size):
+        return rank
+
+    with pytest.raises(TypeError, match="importable module"):
+        launch(local)
+    with pytest.raises(ValueError, match="world_size"):
+        launch(_not_importable, world_size=0)
+    with pytest.raises(ValueError, match="backend"):
+        launch(_not_importable, backend="mpi")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_ring_steps_sum_every_chunk(world):
+    torch.manual_seed(world)
+    buffers = [[torch.randn(3) for _ in range(world)] for _ in range(world)]
+    expected = [sum(buffers[r][c] for r in range(world)) for c in range(world)]
+    state = buffers
+    for step in range(2 * (world - 1)):
+        state = ring_allreduce_step(state, step)
+    for r in range(world):
+        for c in range(world):
+            torch.testing.assert_close(state[r][c], expected[c])
+    # after reduce-scatter, rank r owns the full sum of chunk r+1
+    state = buffers
+    for step in range(world - 1):
+        state = ring_allreduce_step(state, step)
+    for r in range(world):
+        torch.testing.assert_close(state[r][(r + 1) % world], expected[(r + 1) % world])
+
+
+def test_ring_step_validates_and_does_not_modify_input():
+    buffers = [[torch.ones(2), torch.ones(2)], [torch.ones(2), torch.ones(2)]]
+    ring_allreduce_step(buffers, 0)
+    assert all(torch.equal(c, torch.ones(2)) for b in buffers for c in b)
+    with pytest.raises(ValueError, match="step"):
+        ring_allreduce_step(buffers, 2)
+    with pytest.raises(ValueError, match="buffers"):
+        ring_allreduce_step([[torch.ones(2)], [torch.ones(2)]], 0)
+    assert [ring_chunk(r, 0, 4) for r in range(4)] == [0, 1, 2, 3]
+
+
+def test_allreduce_cost_model():
+    gb = 1e9
+    # ring: 2(N-1)/N of the data over each link, nearly flat in N
+    assert allreduce_time(gb, 2, 1e9) == pytest.approx(1.0)
+    assert allreduce_time(gb, 8, 1e9) == pytest.approx(2 * 7 / 8)
+    assert allreduce_time(gb, 8, 1e9, latency=1e-5) == pytest.approx(2 * 7 / 8 + 14e-5)
+    assert allreduce_time(gb, 8, 1e9, algorithm="naive") == pytest.approx(14.0)
+    with pytest.raises(ValueError, match="algorithm"):
+        allreduce_time(gb, 8, 1e9, algorithm="tree")
+    with pytest.raises(ValueError, match="bandwidth"):
+        allreduce_time(gb, 8, 0)
+
+
+def test_gradient_collective():
+    assert gradient_collective("ddp") == "all_reduce"
+    assert gradient_collective("zero2") == "reduce_scatter"
+    with pytest.raises(ValueError, match="strategy"):
+        gradient_collective("tp")

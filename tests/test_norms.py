@@ -1,0 +1,293 @@
+"""labkit.norms: the chapter-02 experiments, each against an independent reference."""
+import labkit  # noqa: F401  (first: switches Triton to its interpreter on CPU)
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from labkit import norms
+from labkit.data import ArithmeticTask
+from labkit.model import TransformerLM, tiny_config
+from labkit.nn import BatchNorm, GLU, RMSNorm
+from labkit.train import TrainConfig, cross_entropy, train
+
+
+# ----------------------------------------------------------------------------- which axis
+@pytest.mark.parametrize("distribution", norms.DISTRIBUTIONS)
+def test_each_norm_normalizes_its_own_axis(distribution):
+    x = norms.make_batch(distribution, batch=4, seq=8, d_model=16)
+    table = norms.compare_norms(x)
+    ln, rms, bn = table["layernorm"], table["rmsnorm"], table["batchnorm"]
+    # LayerNorm: every token has mean 0 and std ~1 (eps shifts it below 1 by at most eps/2)
+    assert ln["token |mean| max"] < 1e-5 and ln["token std min"] > 0.99 and ln["token std max"] < 1 + 1e-5
+    # RMSNorm: every token has RMS ~1, its mean is not removed
+    assert rms["token rms min"] > 0.99 and rms["token rms max"] < 1 + 1e-5
+    # BatchNorm: every feature has mean 0 and std ~1 over the batch
+    assert bn["feature |mean| max"] < 1e-5 and bn["feature std min"] > 0.99 and bn["feature std max"] < 1 + 1e-5
+
+
+def test_axis_statistics_against_numpy():
+    x = norms.make_batch("feature offsets", batch=2, seq=3, d_model=5, seed=1)
+    rows = x.reshape(-1, 5).numpy().astype(np.float64)
+    stats = norms.axis_statistics(x)
+    assert stats["token |mean| max"] == pytest.approx(np.abs(rows.mean(1)).max(), rel=1e-5)
+    assert stats["token rms max"] == pytest.approx(np.sqrt((rows**2).mean(1)).max(), rel=1e-5)
+    assert stats["feature std min"] == pytest.approx(rows.std(0).min(), rel=1e-5)
+    assert stats["feature |mean| max"] > 1.0  # the offsets are there
+
+
+def test_rmsnorm_keeps_the_mean_layernorm_removes():
+    x = norms.make_batch("feature offsets", seed=2)
+    table = norms.compare_norms(x)
+    assert table["rmsnorm"]["token |mean| max"] > 0.1 > table["layernorm"]["token |mean| max"]
+
+
+def test_make_batch_distributions():
+    base = norms.make_batch("gaussian", seed=3)
+    assert base.shape == (4, 8, 16)
+    outliers = norms.make_batch("outlier features", seed=3)
+    assert outliers[..., :2].std() > 10 * outliers[..., 2:].std()
+    scales = norms.axis_statistics(norms.make_batch("token scales", seed=3))
+    assert scales["token rms max"] / scales["token rms min"] > 10
+    with pytest.raises(ValueError, match="distribution="):
+        norms.make_batch("uniform")
+    with pytest.raises(ValueError, match="kind="):
+        norms.make_norm("groupnorm", 4)
+
+
+@pytest.mark.parametrize("change", ["batchmates", "padding"])
+def test_only_batchnorm_in_training_depends_on_the_batch(change):
+    assert norms.batch_dependence("batchnorm", change) > 0.05
+    assert norms.batch_dependence("batchnorm", change, training=False) == 0.0
+    assert norms.batch_dependence("layernorm", change) == 0.0
+    assert norms.batch_dependence("rmsnorm", change) == 0.0
+
+
+def test_batchnorm_running_statistics_match_torch_over_steps():
+    ours, ref = BatchNorm(6, momentum=0.2), torch.nn.BatchNorm1d(6, momentum=0.2)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(5):
+        x = torch.randn(3, 7, 6, generator=gen) * 2 + 1
+        out = ours(x)
+        expected = ref(x.reshape(-1, 6)).reshape(x.shape)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.running_mean, ref.running_mean)
+    torch.testing.assert_close(ours.running_var, ref.running_var)
+    ours.eval(), ref.eval()
+    x = torch.randn(2, 6, generator=gen)
+    torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- deep stacks
+def test_deep_stack_without_norm_vanishes_and_explodes_like_the_closed_form():
+    vanish = norms.deep_stack("none", num_layers=32, gain=1.0)
+    explode = norms.deep_stack("none", num_layers=32, gain=2.0)
+    # ReLU keeps half the second moment: E[h^2] scales by gain^2 / 2 per layer (Glorot std 1/sqrt(d))
+    ratio_vanish = vanish.activation_std[-1] / vanish.activation_std[15]
+    ratio_explode = explode.activation_std[-1] / explode.activation_std[15]
+    assert math.log(ratio_vanish) == pytest.approx(16 * math.log(math.sqrt(0.5)), rel=0.35)
+    assert math.log(ratio_explode) == pytest.approx(16 * math.log(math.sqrt(2.0)), rel=0.35)
+    assert vanish.gradient_norm[0] < 1e-3 * vanish.gradient_norm[-1]
+    assert explode.gradient_norm[0] > 1e3 * explode.gradient_norm[-1]
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_per_token_norms_keep_the_stack_stable_at_any_gain(norm):
+    low, high = norms.deep_stack(norm, gain=1.0), norms.deep_stack(norm, gain=2.0)
+    assert max(low.activation_std) / min(low.activation_std) < 1.5
+    assert max(low.gradient_norm) / min(low.gradient_norm) < 10
+    # the norm divides out the weights' scale: identical outputs and gradients
+    np.testing.assert_allclose(low.activation_std, high.activation_std, rtol=1e-4)
+    np.testing.assert_allclose(low.gradient_norm, high.gradient_norm, rtol=1e-3)
+
+
+def test_deep_stack_validates():
+    with pytest.raises(ValueError, match="activation="):
+        norms.deep_stack(activation="swish")
+    with pytest.raises(ValueError, match="gain="):
+        norms.deep_stack(gain=0.0)
+
+
+def test_post_norm_block_matches_a_hand_written_post_ln():
+    torch.manual_seed(0)
+    config = tiny_config(16, num_layers=1, norm="layernorm")
+    model = norms.build_lm(config, "post")
+    block = model.layers[0]
+    x = torch.randn(2, 5, config.d_model)
+    h = block.ln1(x + block.attn(x))
+    torch.testing.assert_close(block(x), block.ln2(h + block.ffn(h)))
+    assert isinstance(model.ln_final, torch.nn.Identity)
+    with pytest.raises(ValueError, match="placement="):
+        norms.build_lm(config, "middle")
+
+
+def test_post_ln_last_layers_get_larger_gradients_than_pre_ln():
+    pre = norms.block_gradient_norms("pre", num_layers=8, seq=16)
+    post = norms.block_gradient_norms("post", num_layers=8, seq=16)
+    assert len(pre) == len(post) == 8
+    # Xiong et al. 2020: the last layer's gradient is ~sqrt(L) larger with Post-LN
+    assert post[-1] > 2 * pre[-1]
+
+
+def test_pre_ln_gradients_match_a_manual_backward():
+    torch.manual_seed(5)
+    config = tiny_config(64, context_length=16, d_model=64, num_layers=2, norm="layernorm")
+    model = TransformerLM(config)
+    tokens = torch.randint(0, 64, (8, 17))
+    cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    expected = [math.sqrt(sum(p.grad.norm().item() ** 2 for p in b.ffn.parameters())) for b in model.layers]
+    assert norms.block_gradient_norms("pre", num_layers=2, seq=16, seed=5) == pytest.approx(expected, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- activations
+def test_activation_derivatives_match_closed_forms():
+    x = torch.linspace(-4, 4, 81, dtype=torch.float64)
+    curves = norms.activation_curves(x)
+    sig = torch.sigmoid(x)
+    phi = torch.exp(-x**2 / 2) / math.sqrt(2 * math.pi)
+    cdf = 0.5 * (1 + torch.erf(x / math.sqrt(2)))
+    torch.testing.assert_close(curves["silu"][1], sig * (1 + x * (1 - sig)))
+    torch.testing.assert_close(curves["gelu"][1], cdf + x * phi)
+    torch.testing.assert_close(curves["relu"][1], (x > 0).double())
+    torch.testing.assert_close(curves["gelu"][0], torch.nn.functional.gelu(x))
+    torch.testing.assert_close(curves["gelu (tanh)"][0], torch.nn.functional.gelu(x, approximate="tanh"))
+    with pytest.raises(ValueError, match="names"):
+        norms.activation_curves(x, ["elu"])
+
+
+def test_swiglu_d_ff_equalizes_parameters():
+    counts = norms.ffn_param_counts(768)
+    assert counts["mlp params"] == 2 * 768 * 3072
+    assert counts["swiglu d_ff"] == 2048
+    assert counts["swiglu params"] == counts["mlp params"] == 3 * 768 * 2048
+    assert norms.swiglu_d_ff(4096, multiple_of=256) == 11008  # LLaMA-7B's published hidden size
+    assert norms.swiglu_d_ff(4096, multiple_of=256) >= 8 * 4096 / 3  # rounding up never loses capacity
+    with pytest.raises(ValueError):
+        norms.swiglu_d_ff(0)
+
+
+# ----------------------------------------------------------------------------- training
+def test_train_with_norms_is_the_train_loop_per_norm():
+    task = ArithmeticTask()
+    config = TrainConfig(steps=4, batch_size=4, context_length=16, eval_every=4, eval_batches=1)
+    histories = norms.train_with_norms(task, ("rmsnorm", "none"), config, seed=1)
+    torch.manual_seed(1)
+    model = TransformerLM(tiny_config(task.vocab_size, norm="none"))
+    expected = train(model, task.tokens("train"), task.tokens("val"), config, progress=False)
+    assert histories["none"].train_loss == expected.train_loss
+    assert histories["rmsnorm"].train_loss != expected.train_loss
+    assert len(histories["rmsnorm"].val_loss) == 1
+
+
+def _losses_without_and_with_kernels(build, steps):
+    """First training losses of ``build(vocab_size, use_triton)`` for False/True: same init, same batches."""
+    task = ArithmeticTask()
+    config = TrainConfig(steps=steps, batch_size=2, context_length=16, eval_every=steps, eval_batches=1)
+    losses = []
+    for use_triton in (False, True):
+        torch.manual_seed(0)
+        model = build(task.vocab_size, use_triton).to(labkit.device())  # the kernels run where Triton runs
+        losses.append(train(model, task.tokens("train"), None, config, progress=False).train_loss)
+    return losses
+
+
+def test_triton_norms_and_swiglu_train_like_the_pytorch_path():
+    def build(vocab_size, use_triton):
+        model = TransformerLM(tiny_config(vocab_size, context_length=16))
+        assert norms.use_triton_kernels(model, use_triton) == 2 * 2 + 1 + 2  # ln1, ln2 per block, final norm, ffn per block
+        return model
+
+    torch_losses, triton_losses = _losses_without_and_with_kernels(build, steps=3)
+    np.testing.assert_allclose(triton_losses, torch_losses, rtol=1e-4)
+
+
+def test_config_flag_switches_the_whole_model_to_triton():
+    """``ModelConfig(use_triton=True)``: RMSNorm, SwiGLU *and* attention (flash_attention) kernels."""
+    build = lambda vocab_size, use_triton: TransformerLM(tiny_config(vocab_size, context_length=16, use_triton=use_triton))  # noqa: E731
+    torch_losses, triton_losses = _losses_without_and_with_kernels(build, steps=2)
+    np.testing.assert_allclose(triton_losses, torch_losses, rtol=1e-4)
+
+
+def test_use_triton_kernels_switches_back():
+    model = TransformerLM(tiny_config(16, activation="gelu"))
+    assert norms.use_triton_kernels(model) == 5  # gelu GLUs have no fused kernel
+    assert all(m.use_triton for m in model.modules() if isinstance(m, RMSNorm))
+    norms.use_triton_kernels(model, False)
+    assert not any(m.use_triton for m in model.modules() if isinstance(m, (RMSNorm, GLU)))
+
+
+# ----------------------------------------------------------------------------- bytes
+def test_count_op_bytes_counts_reads_and_writes():
+    a, b = torch.randn(10, 20), torch.randn(10, 20)
+    total, ops = norms.count_op_bytes(torch.add, a, b)
+    assert total == 3 * 200 * 4 and [name for name, _ in ops] == ["add"]
+    total, _ = norms.count_op_bytes(lambda t: t.view(20, 10).T, a)
+    assert total == 0  # views move nothing
+
+
+def test_rmsnorm_bytes_minimum_and_eager_traffic():
+    n_rows, n_cols = 8, 256
+    counts = norms.rmsnorm_bytes(n_rows, n_cols, torch.bfloat16, num_programs=4)
+    assert counts["forward minimum"] == 2 * n_rows * n_cols * 2 + n_cols * 2
+    assert counts["forward kernel"] - counts["forward minimum"] == 4 * n_rows
+    assert counts["backward kernel"] - counts["backward minimum"] == 4 * n_rows + 2 * 4 * n_cols * 4
+    x = torch.randn(n_rows, n_cols, dtype=torch.bfloat16)
+    eager, ops = norms.count_op_bytes(RMSNorm(n_cols, dtype=torch.bfloat16), x)
+    # eager makes ~9 passes: upcast, square, mean, multiply, ... each a round trip to memory
+    assert len(ops) >= 6 and eager > 5 * counts["forward minimum"]
+    with pytest.raises(ValueError):
+        norms.rmsnorm_bytes(0, 4)
+
+
+# ----------------------------------------------------------------------------- widget callbacks
+def test_norm_explorer_view_reports_the_norms_statistics():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    table, fig = norms.norm_explorer_view("rmsnorm", "token scales")
+    assert table["input"] == norms.axis_statistics(norms.make_batch("token scales"))
+    assert table["rmsnorm"]["token rms min"] == pytest.approx(1.0, abs=1e-3)
+    assert len(fig.axes) == 4  # two heatmaps and their colorbars
+    assert "rmsnorm" in norms.format_table(table)
+
+
+def test_activation_explorer_view_glu_is_gate_times_b():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    curves, fig = norms.activation_explorer_view("silu", up=-1.5)
+    torch.testing.assert_close(curves["glu"], torch.nn.functional.silu(curves["a"]) * -1.5)
+    a = curves["a"]
+    torch.testing.assert_close(curves["df"], torch.sigmoid(a) * (1 + a * (1 - torch.sigmoid(a))))
+    assert len(fig.axes[0].lines) == 4
+
+
+def test_deep_stack_view_runs_the_experiment():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    stats, fig = norms.deep_stack_view("layernorm", gain=0.5, num_layers=8)
+    assert stats.activation_std == norms.deep_stack("layernorm", num_layers=8, gain=0.5).activation_std
+    assert len(fig.axes) == 2
+
+
+def test_widgets_build():
+    from labkit import widgets_norms
+
+    for make in (widgets_norms.norm_explorer, widgets_norms.activation_explorer, widgets_norms.deep_stack_explorer):
+        assert callable(make())
+
+
+def test_bench_suite_checks_correctness_without_a_gpu(capsys):
+    from labkit.bench import norms as bench_norms
+
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the suite times the kernels instead")
+    bench_norms.main()
+    out = capsys.readouterr().out
+    assert "timings need a GPU" in out
+    rows = bench_norms.check_cpu()
+    assert [r["op"] for r in rows] == ["rmsnorm", "softmax", "swiglu"]
+    assert all(r["forward max error"] < 1e-5 and r["backward max error"] < 1e-5 for r in rows)
