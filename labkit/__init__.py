@@ -3,7 +3,13 @@
 ``import labkit`` first: it switches Triton to its CPU interpreter when there is no GPU,
 which must happen before triton itself is imported.
 """
-from labkit import runtime as _runtime
+import os
+
+# Idle OpenMP threads sleep instead of spinning: with two notebooks (or test workers) sharing a
+# laptop's cores, spinning threads slow small-model training several-fold. Must precede torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from labkit import runtime as _runtime  # noqa: E402
 
 _runtime.configure_triton()
 

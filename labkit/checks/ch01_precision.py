@@ -1,0 +1,163 @@
+"""Chapter 01 graders: decode an FP8 byte, the range of a format, one loss-scale decision, an FP8 scale."""
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from labkit import precision as P
+from labkit.checks._core import call, fail, passed
+
+__all__ = ["decode_e4m3", "format_range", "update_scale", "amax_scale"]
+
+
+def _number(value, tried: str) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        fail(tried, f"a {type(value).__name__}", "a Python number", "return a float (e.g. `float(...)`)")
+    return float(value)
+
+
+def _same(got: float, expected: float, rel: float = 1e-12) -> bool:
+    if math.isnan(expected):
+        return math.isnan(got)
+    if math.isinf(expected) or expected == 0:
+        return got == expected
+    return abs(got - expected) <= rel * abs(expected)
+
+
+# ----------------------------------------------------------------------------- decode an E4M3 byte
+def _e4m3_hint(code: int, got: float, expected: float) -> str:
+    sign, exponent, mantissa = P.get_format("fp8_e4m3").fields(code)
+    if got == -expected != 0:
+        return "bit 7 is the sign: (-1)^s"
+    if code & 0x7F == 0x7F:
+        return "in E4M3FN only S.1111.111 is NaN (there is no inf)"
+    if exponent == 15:
+        return "E4M3FN has no inf: exponent 1111 holds ordinary numbers (up to 448), only mantissa 111 is NaN"
+    if exponent == 0:
+        return "exponent field 0 means subnormal: no implicit leading 1, and the exponent is 1 - bias = -6 (value = M/8 * 2^-6)"
+    return "value = 2^(E - 7) * (1 + M/8) with E = bits 6..3 and M = bits 2..0; check the bias (7) and the /8"
+
+
+def decode_e4m3(fn) -> None:
+    """Grade ``fn(code: int) -> float``: the value of an FP8 E4M3 (E4M3FN) byte, all 256 of them."""
+    fmt = P.get_format("fp8_e4m3")
+    # Common codes first, so the first failure points at the most basic mistake.
+    order = [*range(0x08, 0x78), *range(0x01, 0x08), 0x00, *range(0x78, 0x7F), 0x7F, *range(0x80, 0x100)]
+    for code in order:
+        tried = f"fn({code:#04x})  (bits {code:08b})"
+        got = _number(call(fn, tried, code), tried)
+        expected = P.decode(code, fmt).item()
+        if not _same(got, expected):
+            fail(tried, got, expected, _e4m3_hint(code, got, expected))
+    passed("decode_e4m3", "all 256 E4M3 codes decode correctly, including subnormals, 448 and NaN")
+
+
+# ----------------------------------------------------------------------------- range of a format
+def _random_formats(rng: random.Random, count: int) -> list[P.FloatFormat]:
+    formats = []
+    for i in range(count):
+        e, m = rng.randint(2, 8), rng.randint(1, 10)
+        bias = (1 << (e - 1)) - 1 + rng.choice([0, 0, -1, 1, 3])
+        formats.append(P.FloatFormat(f"custom_e{e}m{m}_{i}", e, m, bias, rng.choice(P.SPECIALS)))
+    return formats
+
+
+def format_range(fn) -> None:
+    """Grade ``fn(fmt: FloatFormat) -> (max, min_normal, min_subnormal)`` on the built-in formats
+    and random custom ones (every kind of inf/NaN encoding)."""
+    formats = list(P.FORMATS.values()) + _random_formats(random.Random(0), 40)
+    hints = {
+        "ieee": "an 'ieee' format reserves the all-ones exponent for inf/NaN, so the largest finite value has exponent field 2^e - 2 and all mantissa bits set",
+        "nan_only": "in a 'nan_only' format (like E4M3FN) only all-ones exponent AND all-ones mantissa is NaN: the max has exponent field 2^e - 1 and mantissa 2^m - 2",
+        "finite": "a 'finite' format has no inf/NaN: the max has every exponent and mantissa bit set",
+    }
+    for fmt in formats:
+        tried = f"fn(FloatFormat({fmt.name!r}, exponent_bits={fmt.exponent_bits}, mantissa_bits={fmt.mantissa_bits}, bias={fmt.bias}, specials={fmt.specials!r}))"
+        result = call(fn, tried, fmt)
+        if not isinstance(result, (tuple, list)) or len(result) != 3:
+            fail(tried, repr(result), "a tuple (max, min_normal, min_subnormal)", "return three numbers")
+        got = [_number(v, tried) for v in result]
+        for name, g, e, hint in (
+            ("max", got[0], fmt.max, hints[fmt.specials]),
+            ("min_normal", got[1], fmt.min_normal, "the smallest normal has exponent field 1: 2^(1 - bias)"),
+            ("min_subnormal", got[2], fmt.min_subnormal, "the smallest subnormal is one mantissa step above 0: 2^(1 - bias - mantissa_bits)"),
+        ):
+            if not _same(g, e):
+                fail(tried, f"{name} = {g!r}", f"{name} = {e!r}", hint)
+    passed("format_range", f"max, min_normal and min_subnormal right for {len(formats)} formats")
+
+
+# ----------------------------------------------------------------------------- one loss-scale decision
+def update_scale(fn) -> None:
+    """Grade ``fn(scale, growth_tracker, found_inf, *, growth_factor, backoff_factor, growth_interval)
+    -> (new_scale, new_growth_tracker)`` on single decisions and on long random runs."""
+    cases = [
+        ((1024.0, 0, False), dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=3),
+         "a good step only counts: the scale stays until growth_interval good steps in a row"),
+        ((1024.0, 2, False), dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=3),
+         "this is the growth_interval-th good step in a row: multiply by growth_factor and reset the counter to 0"),
+        ((1024.0, 1, True), dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=3),
+         "an overflow multiplies the scale by backoff_factor and resets the counter to 0"),
+        ((1024.0, 2, True), dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=3),
+         "an overflow never grows the scale, even when the counter is about to reach growth_interval"),
+        ((2.0**16, 1999, False), dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=2000),
+         "grow when the counter *reaches* growth_interval (tracker + 1 == growth_interval), not one step later"),
+        ((3.0, 0, False), dict(growth_factor=4.0, backoff_factor=0.25, growth_interval=1),
+         "use the growth_factor argument, not a hard-coded 2"),
+        ((3.0, 0, True), dict(growth_factor=4.0, backoff_factor=0.25, growth_interval=1),
+         "use the backoff_factor argument, not a hard-coded 0.5"),
+    ]
+    for args, kwargs, hint in cases:
+        tried = f"fn{args} with {kwargs}"
+        _check_decision(fn, args, kwargs, tried, hint)
+    rng = random.Random(1)
+    for run in range(3):
+        kwargs = dict(growth_factor=rng.choice([2.0, 1.5]), backoff_factor=rng.choice([0.5, 0.25]), growth_interval=rng.randint(2, 6))
+        scale, tracker = 2.0**10, 0
+        for step in range(60):
+            found_inf = rng.random() < 0.15
+            tried = f"step {step} of a run with {kwargs}: fn({scale}, {tracker}, {found_inf})"
+            scale, tracker = _check_decision(fn, (scale, tracker, found_inf), kwargs, tried,
+                                             "follow the rule exactly: overflow -> back off and reset; else count, and grow + reset at growth_interval")
+    passed("update_scale", "same decisions as torch.amp.GradScaler on single steps and 180-step runs")
+
+
+def _check_decision(fn, args, kwargs, tried, hint):
+    result = call(fn, tried, *args, **kwargs)
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        fail(tried, repr(result), "a tuple (new_scale, new_growth_tracker)", "return both the scale and the counter")
+    expected = P.update_scale(*args, **kwargs)
+    got = (_number(result[0], tried), result[1])
+    if not _same(got[0], expected[0]) or got[1] != expected[1]:
+        fail(tried, got, expected, hint)
+    return expected
+
+
+# ----------------------------------------------------------------------------- per-tensor FP8 scale
+def amax_scale(fn) -> None:
+    """Grade ``fn(x, fmt, margin=0) -> float``: the per-tensor scale that maps max |x| to the
+    format's max (``x / scale`` is what gets stored)."""
+    g = torch.Generator().manual_seed(0)
+    cases = [
+        (torch.randn(64, 32, generator=g) * 3, "fp8_e4m3", 0,
+         "scale = amax / fmt.max: dividing x by it puts the largest |x| exactly on the format's max"),
+        (torch.tensor([0.5, -7.0, 2.0]), "fp8_e4m3", 0,
+         "amax is the largest *magnitude*: the most negative entry counts too (use .abs())"),
+        (torch.randn(100, generator=g) * 1e-3, "fp8_e5m2", 0, "use the format's own max (57344 for fp8_e5m2)"),
+        (torch.randn(50, generator=g), "fp8_e4m3", 2,
+         "a margin of k leaves 2^k of headroom: scale = amax / fmt.max * 2^margin"),
+        (torch.zeros(10), "fp8_e4m3", 0, "an all-zero tensor has no amax to map: return scale 1.0 instead of dividing 0 by max"),
+        (torch.tensor([1.0, math.inf, math.nan, -3.0]), "fp8_e4m3", 0,
+         "inf/NaN entries must not set the scale: take amax over the finite entries (torch.isfinite)"),
+    ]
+    for x, fmt, margin, hint in cases:
+        tried = f"fn(x of shape {tuple(x.shape)} with amax {P.finite_amax(x):.4g}, {fmt!r}, margin={margin})"
+        got = _number(call(fn, tried, x.clone(), fmt, margin), tried)
+        expected = P.amax_scale(x, fmt, margin)
+        if not _same(got, expected, rel=1e-6):
+            fail(tried, got, expected, hint)
+    passed("amax_scale", "per-tensor scales right, with margin, zeros and inf/NaN entries")

@@ -1,0 +1,687 @@
+"""Number formats and mixed precision: read any float format off its bits.
+
+A binary float with ``e`` exponent bits, ``m`` mantissa bits and bias ``b`` stores
+``sign | exponent field E | mantissa field M`` and means
+
+* ``(-1)^sign * 2^(E - b) * (1 + M / 2^m)`` for ``E > 0`` (normal numbers),
+* ``(-1)^sign * 2^(1 - b) * (M / 2^m)`` for ``E == 0`` (subnormals and ±0),
+
+except for the codes a format reserves for inf/NaN. :class:`FloatFormat` describes a format,
+:func:`decode` / :func:`encode` convert between codes and values (round-to-nearest-even, like
+the hardware and PyTorch's casts), and the rest of the module builds on them: ulps, loss
+scaling for fp16 training (:class:`DynamicLossScaler`), and per-tensor FP8 scaling
+(:func:`amax_scale`, :class:`DelayedScaling`).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+SPECIALS = ("ieee", "nan_only", "finite")
+
+
+@dataclass(frozen=True)
+class FloatFormat:
+    """A binary floating-point format.
+
+    ``specials`` says how it encodes inf/NaN:
+
+    * ``"ieee"``: the all-ones exponent is reserved; mantissa 0 is ±inf, anything else NaN
+      (fp32, fp16, bf16, fp8_e5m2).
+    * ``"nan_only"``: no inf; only ``S.1111.111`` (all exponent and mantissa bits set) is NaN,
+      so the top binade holds ordinary numbers (fp8_e4m3, "E4M3FN": max 448 instead of 240).
+    * ``"finite"``: every code is a number, no inf and no NaN (OCP MX fp6/fp4 elements).
+    """
+
+    name: str
+    exponent_bits: int
+    mantissa_bits: int
+    bias: int
+    specials: str = "ieee"
+
+    def __post_init__(self):
+        if not isinstance(self.exponent_bits, int) or not 1 <= self.exponent_bits <= 11:
+            raise ValueError(f"exponent_bits={self.exponent_bits!r}: expected an integer from 1 to 11")
+        if not isinstance(self.mantissa_bits, int) or not 1 <= self.mantissa_bits <= 52:
+            raise ValueError(f"mantissa_bits={self.mantissa_bits!r}: expected an integer from 1 to 52")
+        if not isinstance(self.bias, int):
+            raise TypeError(f"bias={self.bias!r}: expected an integer")
+        if self.specials not in SPECIALS:
+            raise ValueError(f"specials={self.specials!r}: expected one of {SPECIALS}")
+        if self.specials == "ieee" and self.exponent_bits < 2:
+            raise ValueError("exponent_bits: an 'ieee' format needs at least 2 exponent bits (one binade is reserved)")
+        if self.bits > 63:
+            raise ValueError(f"exponent_bits + mantissa_bits = {self.bits - 1}: at most 62 (codes are int64)")
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def bits(self) -> int:
+        return 1 + self.exponent_bits + self.mantissa_bits
+
+    @property
+    def has_inf(self) -> bool:
+        return self.specials == "ieee"
+
+    @property
+    def has_nan(self) -> bool:
+        return self.specials != "finite"
+
+    @property
+    def max_code(self) -> int:
+        """The code (sign 0) of the largest finite value."""
+        top = (1 << self.exponent_bits) - 1
+        mant = (1 << self.mantissa_bits) - 1
+        if self.specials == "ieee":
+            return ((top - 1) << self.mantissa_bits) | mant
+        if self.specials == "nan_only":
+            return (top << self.mantissa_bits) | (mant - 1)
+        return (top << self.mantissa_bits) | mant
+
+    # ------------------------------------------------------------------ range and precision
+    @property
+    def max(self) -> float:
+        """Largest finite value."""
+        exponent, mantissa = divmod(self.max_code, 1 << self.mantissa_bits)
+        return math.ldexp(1.0 + mantissa / (1 << self.mantissa_bits), exponent - self.bias)
+
+    @property
+    def min_normal(self) -> float:
+        """Smallest positive value with the full ``1 + m`` bits of precision: ``2^(1-bias)``."""
+        return math.ldexp(1.0, 1 - self.bias)
+
+    @property
+    def min_subnormal(self) -> float:
+        """Smallest positive value: one mantissa step above zero, ``2^(1-bias-m)``."""
+        return math.ldexp(1.0, 1 - self.bias - self.mantissa_bits)
+
+    @property
+    def eps(self) -> float:
+        """Distance from 1.0 to the next larger value: ``2^-m`` (the relative precision)."""
+        return math.ldexp(1.0, -self.mantissa_bits)
+
+    @property
+    def decimal_digits(self) -> float:
+        """Significant decimal digits the ``1 + m`` significand bits carry: ``(m + 1) log10 2``."""
+        return (self.mantissa_bits + 1) * math.log10(2)
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """The matching PyTorch dtype, or None when torch has no (unpacked) dtype for it."""
+        return _TORCH_DTYPES.get(self.name)
+
+    def fields(self, code: int) -> tuple[int, int, int]:
+        """``(sign, exponent field, mantissa field)`` of one code."""
+        code = _check_code(code, self)
+        m = self.mantissa_bits
+        return code >> (self.bits - 1), (code >> m) & ((1 << self.exponent_bits) - 1), code & ((1 << m) - 1)
+
+
+FORMATS: dict[str, FloatFormat] = {
+    f.name: f
+    for f in (
+        FloatFormat("fp32", 8, 23, 127),
+        FloatFormat("fp16", 5, 10, 15),
+        FloatFormat("bf16", 8, 7, 127),
+        FloatFormat("fp8_e4m3", 4, 3, 7, "nan_only"),
+        FloatFormat("fp8_e5m2", 5, 2, 15),
+        FloatFormat("fp6_e3m2", 3, 2, 3, "finite"),
+        FloatFormat("fp6_e2m3", 2, 3, 1, "finite"),
+        FloatFormat("fp4_e2m1", 2, 1, 1, "finite"),
+    )
+}
+
+_TORCH_DTYPES = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def get_format(fmt: str | FloatFormat) -> FloatFormat:
+    """The :class:`FloatFormat` called ``fmt`` (a FloatFormat passes through)."""
+    if isinstance(fmt, FloatFormat):
+        return fmt
+    if isinstance(fmt, str) and fmt in FORMATS:
+        return FORMATS[fmt]
+    raise ValueError(f"fmt={fmt!r}: unknown format; expected a FloatFormat or one of {sorted(FORMATS)}")
+
+
+# ----------------------------------------------------------------------------- codes <-> values
+def decode(codes, fmt: str | FloatFormat) -> torch.Tensor:
+    """Values (float64) of the bit patterns ``codes`` (an integer tensor or int).
+
+    Codes are ``0 .. 2^bits - 1``; negative codes are read as two's complement, so
+    ``decode(t.view(torch.int16), "fp16")`` works as well as unsigned codes.
+    """
+    fmt = get_format(fmt)
+    codes = _as_codes(codes, fmt)
+    m, bits = fmt.mantissa_bits, fmt.bits
+    sign = (codes >> (bits - 1)) & 1
+    exponent = (codes >> m) & ((1 << fmt.exponent_bits) - 1)
+    mantissa = (codes & ((1 << m) - 1)).double()
+    # Subnormals have no implicit leading 1 and share the exponent of the smallest normals.
+    normal = exponent > 0
+    significand = torch.where(normal, mantissa + (1 << m), mantissa)
+    power = torch.where(normal, exponent, torch.ones_like(exponent)) - fmt.bias - m
+    magnitude = torch.ldexp(significand, power.double())
+    top = (1 << fmt.exponent_bits) - 1
+    if fmt.specials == "ieee":
+        magnitude = torch.where(exponent == top, torch.where(mantissa == 0, math.inf, math.nan), magnitude)
+    elif fmt.specials == "nan_only":
+        magnitude = torch.where((codes & ((1 << (bits - 1)) - 1)) == fmt.max_code + 1, math.nan, magnitude)
+    return torch.where(sign == 1, -magnitude, magnitude)
+
+
+def encode(x, fmt: str | FloatFormat, saturate: bool | None = None) -> torch.Tensor:
+    """The codes (int64) of the values of ``fmt`` nearest to ``x``, ties to the even code.
+
+    Overflow (a value that rounds beyond ``fmt.max``, or ±inf) follows the format unless
+    ``saturate`` says otherwise. ``None``: "ieee" formats give ±inf, the others clamp to ±max,
+    which is what PyTorch's casts do (torch 2.13 saturates float8_e4m3fn; older versions
+    returned NaN, which ``saturate=False`` reproduces). ``True`` always clamps to ±max, like
+    the hardware's saturating "satfinite" casts. NaN stays NaN.
+    """
+    fmt = get_format(fmt)
+    x = _as_values(x, "x")
+    if saturate is None:
+        saturate = fmt.specials != "ieee"
+    if not saturate and fmt.specials == "finite":
+        raise ValueError(f"saturate=False: {fmt.name} has no inf or NaN to overflow to; use saturate=True")
+    nan = torch.isnan(x)
+    if nan.any() and not fmt.has_nan:
+        raise ValueError(f"x: contains NaN, which {fmt.name} cannot represent")
+    m = fmt.mantissa_bits
+    negative = torch.signbit(x)
+    finite = torch.isfinite(x)
+    magnitude = torch.where(finite, x.abs(), 0.0)
+    binade = _binade(magnitude, fmt)
+    steps = torch.round(torch.ldexp(magnitude, (m - binade).double())).long()  # round half to even
+    carried = steps == (2 << m)  # rounding up to the next power of two
+    binade = binade + carried.long()
+    steps = torch.where(carried, torch.full_like(steps, 1 << m), steps)
+    normal = steps >= (1 << m)
+    exponent_field = torch.where(normal, binade + fmt.bias, torch.zeros_like(binade))
+    magnitude_code = (exponent_field << m) | torch.where(normal, steps - (1 << m), steps)
+    overflow = (magnitude_code > fmt.max_code) | ~finite
+    if saturate:
+        overflow_code = fmt.max_code
+    else:
+        overflow_code = ((1 << fmt.exponent_bits) - 1) << m if fmt.has_inf else fmt.max_code + 1
+    magnitude_code = torch.where(overflow & ~nan, overflow_code, magnitude_code)
+    if fmt.has_nan:
+        nan_code = (((1 << fmt.exponent_bits) - 1) << m) | (1 << (m - 1)) if fmt.has_inf else fmt.max_code + 1
+        magnitude_code = torch.where(nan, nan_code, magnitude_code)
+    return torch.where(negative, magnitude_code | (1 << (fmt.bits - 1)), magnitude_code)
+
+
+def round_to(x, fmt: str | FloatFormat, saturate: bool | None = None) -> torch.Tensor:
+    """``x`` rounded to ``fmt`` and read back (float64): ``decode(encode(x, fmt), fmt)``."""
+    return decode(encode(x, fmt, saturate), fmt)
+
+
+def ulp(x, fmt: str | FloatFormat) -> torch.Tensor:
+    """Unit in the last place at ``x``: the spacing of ``fmt``'s values in the binade that
+    holds ``|x|`` (``min_subnormal`` below the normal range); NaN for inf/NaN inputs."""
+    fmt = get_format(fmt)
+    x = _as_values(x, "x")
+    binade = _binade(torch.where(torch.isfinite(x), x.abs(), 0.0), fmt)
+    spacing = torch.ldexp(torch.ones_like(x), (binade - fmt.mantissa_bits).double())
+    return torch.where(torch.isfinite(x), spacing, math.nan)
+
+
+def all_values(fmt: str | FloatFormat) -> torch.Tensor:
+    """Every value of a format of at most 16 bits, indexed by code (float64, NaNs included)."""
+    fmt = get_format(fmt)
+    if fmt.bits > 16:
+        raise ValueError(f"fmt={fmt.name!r}: {fmt.bits} bits is too many to list; expected a format of at most 16 bits")
+    return decode(torch.arange(1 << fmt.bits), fmt)
+
+
+def classify(code: int, fmt: str | FloatFormat) -> str:
+    """'zero', 'subnormal', 'normal', 'inf' or 'nan'."""
+    fmt = get_format(fmt)
+    value = decode(code, fmt).item()
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf"
+    if value == 0:
+        return "zero"
+    return "subnormal" if fmt.fields(code)[1] == 0 else "normal"
+
+
+def neighbours(code: int, fmt: str | FloatFormat) -> tuple[float | None, float | None]:
+    """The representable values just below and just above ``code``'s value (None past the
+    ends of the format, and for NaN). ±0 both sit between ∓min_subnormal."""
+    fmt = get_format(fmt)
+    code = _check_code(code, fmt)
+    if math.isnan(decode(code, fmt).item()):
+        return None, None
+    sign_bit = 1 << (fmt.bits - 1)
+    magnitude = code & (sign_bit - 1)
+    # Order every non-NaN value on one integer line: +k for positive codes, -k for negative.
+    position = -magnitude if code & sign_bit else magnitude
+    last = fmt.max_code + 1 if fmt.has_inf else fmt.max_code
+
+    def value_at(pos: int) -> float | None:
+        if abs(pos) > last:
+            return None
+        return decode(pos if pos >= 0 else sign_bit | -pos, fmt).item()
+
+    return value_at(position - 1), value_at(position + 1)
+
+
+def explain_code(code: int, fmt: str | FloatFormat) -> str:
+    """A few lines that read one code the way the notebook teaches: bit fields, the formula,
+    the value, its class and its neighbours (the bit-explorer widget shows this)."""
+    fmt = get_format(fmt)
+    code = _check_code(code, fmt)
+    sign, exponent, mantissa = fmt.fields(code)
+    m = fmt.mantissa_bits
+    bits = format(code, f"0{fmt.bits}b")
+    kind = classify(code, fmt)
+    value = decode(code, fmt).item()
+    s = "-" if sign else "+"
+    if kind in ("normal",):
+        formula = f"{s}2^({exponent} - {fmt.bias}) x (1 + {mantissa}/{1 << m})"
+    elif kind in ("subnormal", "zero"):
+        formula = f"{s}2^(1 - {fmt.bias}) x ({mantissa}/{1 << m})"
+    else:
+        formula = "reserved code"
+    below, above = neighbours(code, fmt)
+    return "\n".join(
+        [
+            f"{fmt.name}  code 0x{code:0{(fmt.bits + 3) // 4}X}  bits {bits[0]} {bits[1:1 + fmt.exponent_bits]} {bits[1 + fmt.exponent_bits:]}",
+            f"sign {sign}  exponent field {exponent}  mantissa field {mantissa}",
+            f"value {formula} = {_short(value)}  ({kind})",
+            f"neighbours {_short(below)} < value < {_short(above)}",
+        ]
+    )
+
+
+def cast_table(value: float, formats: Iterable[str] | None = None) -> list[dict]:
+    """``value`` rounded to each format: the stored value, absolute and relative error.
+    (The cast widget prints this; NaN is reported for formats that cannot hold a NaN input.)"""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"value={value!r}: expected a Python number")
+    rows = []
+    for name in formats if formats is not None else FORMATS:
+        fmt = get_format(name)
+        stored = math.nan if math.isnan(value) and not fmt.has_nan else round_to(float(value), fmt).item()
+        error = abs(stored - value) if math.isfinite(stored) and math.isfinite(value) else math.nan
+        rel = error / abs(value) if value != 0 and math.isfinite(error) else (0.0 if error == 0 else math.nan)
+        rows.append({"format": fmt.name, "stored": stored, "abs_error": error, "rel_error": rel})
+    return rows
+
+
+def format_table(formats: Iterable[str] | None = None) -> list[dict]:
+    """One row per format: layout, range and precision (what the notebook's table prints)."""
+    rows = []
+    for name in formats if formats is not None else FORMATS:
+        f = get_format(name)
+        rows.append(
+            {
+                "format": f.name, "bits": f.bits, "exp": f.exponent_bits, "mant": f.mantissa_bits, "bias": f.bias,
+                "max": f.max, "min_normal": f.min_normal, "min_subnormal": f.min_subnormal, "eps": f.eps,
+                "digits": round(f.decimal_digits, 2), "inf/nan": f.specials,
+            }
+        )
+    return rows
+
+
+# ----------------------------------------------------------------------------- mixed precision
+def accumulate(start: float, update: float, steps: int, dtype: torch.dtype, master_dtype: torch.dtype | None = None) -> float:
+    """Add ``update`` to a weight ``steps`` times, as an optimizer would, and return the weight
+    as stored in ``dtype``. With ``master_dtype`` the sum is kept in that (wider) dtype and only
+    cast to ``dtype`` at the end: "fp32 master weights"."""
+    if not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps={steps!r}: expected a non-negative integer")
+    weight = torch.tensor(start, dtype=master_dtype or dtype)
+    step = torch.tensor(update, dtype=master_dtype or dtype)
+    for _ in range(steps):
+        weight = weight + step
+    return weight.to(dtype).item()
+
+
+def update_scale(scale: float, growth_tracker: int, found_inf: bool, *, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000) -> tuple[float, int]:
+    """One dynamic-loss-scale decision, ``(new_scale, new_growth_tracker)``.
+
+    An overflow (``found_inf``) means the scale is too big: shrink it and start counting
+    again. Otherwise count one more good step; after ``growth_interval`` good steps in a row,
+    try a bigger scale (so gradients keep as many bits above fp16's underflow as possible).
+    """
+    if found_inf:
+        return scale * backoff_factor, 0
+    growth_tracker += 1
+    if growth_tracker == growth_interval:
+        grown = scale * growth_factor
+        return (grown if math.isfinite(grown) else scale), 0
+    return scale, growth_tracker
+
+
+class DynamicLossScaler:
+    """Loss scaling for fp16 training, making the same decisions as ``torch.amp.GradScaler``.
+
+    fp16 gradients smaller than 6e-8 become 0. Multiplying the loss by ``scale`` shifts every
+    gradient up by the same factor (backprop is linear), so they survive; :meth:`unscale_`
+    divides it back out of the fp32 gradients before the optimizer sees them. If a gradient
+    overflowed to inf/NaN, :meth:`step` skips the update and :meth:`update` halves the scale.
+
+    Per iteration: ``(loss * scaler.scale).backward(); scaler.unscale_(opt)`` (optional, e.g.
+    to clip), ``scaler.step(opt); scaler.update()``.
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000):
+        if not init_scale > 0 or not math.isfinite(init_scale):
+            raise ValueError(f"init_scale={init_scale}: expected a positive finite number")
+        if not growth_factor > 1.0:
+            raise ValueError(f"growth_factor={growth_factor}: expected > 1")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor={backoff_factor}: expected a value in (0, 1)")
+        if not isinstance(growth_interval, int) or growth_interval <= 0:
+            raise ValueError(f"growth_interval={growth_interval!r}: expected a positive integer")
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self._scale = _fp32(init_scale)  # GradScaler keeps its scale in an fp32 tensor
+        self.growth_tracker = 0
+        self.found_inf: bool | None = None  # None until this iteration's gradients were unscaled
+        self.skipped_steps = 0
+
+    @property
+    def scale(self) -> float:
+        return self._scale
+
+    def unscale_(self, optimizer_or_params) -> bool:
+        """Divide the gradients by ``scale`` in place; return (and remember) whether any was inf/NaN."""
+        if self.found_inf is not None:
+            raise RuntimeError("unscale_() was already called since the last update()")
+        inv_scale = _fp32(1.0 / self._scale)
+        found = False
+        with torch.no_grad():
+            for p in _parameters(optimizer_or_params):
+                if p.grad is None:
+                    continue
+                found = found or not bool(torch.isfinite(p.grad).all())
+                p.grad.mul_(inv_scale)
+        self.found_inf = found
+        return found
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """``optimizer.step()`` unless this iteration's gradients overflowed; True if it stepped."""
+        if self.found_inf is None:
+            self.unscale_(optimizer)
+        if self.found_inf:
+            self.skipped_steps += 1
+            return False
+        optimizer.step()
+        return True
+
+    def update(self) -> None:
+        """Adjust the scale for the next iteration (see :func:`update_scale`)."""
+        if self.found_inf is None:
+            raise RuntimeError("update(): call unscale_() or step() first, after backward()")
+        scale, self.growth_tracker = update_scale(
+            self._scale, self.growth_tracker, self.found_inf, growth_factor=self.growth_factor,
+            backoff_factor=self.backoff_factor, growth_interval=self.growth_interval,
+        )
+        scale = _fp32(scale)
+        self._scale = scale if math.isfinite(scale) else self._scale  # fp32 overflow: keep the old scale
+        self.found_inf = None
+
+
+def gradient_underflow(values: torch.Tensor, fmt: str | FloatFormat = "fp16", scale: float = 1.0) -> float:
+    """Fraction of the non-zero ``values`` that become 0 when ``values * scale`` is stored in ``fmt``."""
+    values = _as_values(values, "values")
+    nonzero = values != 0
+    if not nonzero.any():
+        return 0.0
+    flushed = round_to(values[nonzero] * scale, fmt, saturate=True) == 0
+    return flushed.double().mean().item()
+
+
+def autocast_gradient_error(model: torch.nn.Module, token_ids: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype = torch.float16,
+                            loss_multiplier: float = 1.0, loss_scale: float = 1.0) -> dict:
+    """How much of the gradient survives a backward pass under ``torch.autocast(dtype)``.
+
+    Computes the parameter gradients of ``cross_entropy * loss_multiplier`` twice: in fp32
+    (the reference) and under autocast with the loss multiplied by ``loss_scale`` and the
+    gradients divided by it afterwards (loss scaling). ``loss_multiplier`` shrinks every
+    gradient by the same factor, to put them where a bigger model's gradients live. Returns
+    ``underflow`` (fraction of the reference's non-zero entries that came back 0) and
+    ``rel_error`` (``||g - g_ref|| / ||g_ref||``). Leaves the model's ``.grad`` cleared.
+    """
+    from labkit.train import cross_entropy
+
+    if not loss_scale > 0 or not loss_multiplier > 0:
+        raise ValueError(f"loss_scale={loss_scale}, loss_multiplier={loss_multiplier}: expected positive numbers")
+    device_type = token_ids.device.type
+
+    def gradients(autocast_dtype, scale):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device_type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+            loss = cross_entropy(model(token_ids), targets) * loss_multiplier
+        (loss * scale).backward()
+        grads = torch.cat([p.grad.flatten().double() / scale for p in model.parameters() if p.grad is not None])
+        model.zero_grad(set_to_none=True)
+        return grads
+
+    reference = gradients(None, 1.0)
+    grads = gradients(dtype, loss_scale)
+    nonzero = reference != 0
+    underflow = ((grads == 0) & nonzero).double().sum().item() / max(1, int(nonzero.sum()))
+    return {"underflow": underflow, "rel_error": relative_error(grads, reference)}
+
+
+PRECISION_MODES = ("fp32", "bf16", "fp16", "fp16+scaler")
+
+
+def train_in_precision(mode: str, model: torch.nn.Module, train_data, val_data, config, scaler: DynamicLossScaler | None = None, **train_kwargs):
+    """Train with :func:`labkit.train.train` in one of :data:`PRECISION_MODES`: fp32 weights
+    throughout (the master weights), the forward/backward under ``torch.autocast`` for bf16/fp16,
+    and for "fp16+scaler" a :class:`DynamicLossScaler` (``scaler``, or a fresh default one).
+    Returns ``(history, scaler, scale_trace)`` where ``scale_trace[i]`` is the loss scale after
+    step ``i + 1``'s update (empty without a scaler)."""
+    from labkit.train import train
+
+    if mode not in PRECISION_MODES:
+        raise ValueError(f"mode={mode!r}: expected one of {PRECISION_MODES}")
+    autocast_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp16+scaler": torch.float16}[mode]
+    if mode == "fp16+scaler":
+        scaler = scaler if scaler is not None else DynamicLossScaler()
+    elif scaler is not None:
+        raise ValueError(f"scaler: only mode='fp16+scaler' uses a loss scaler, got mode={mode!r}")
+    trace: list[float] = []
+    user_callback = train_kwargs.pop("callback", None)
+
+    def record(step: int, loss: float) -> None:
+        if scaler is not None:
+            trace.append(scaler.scale)
+        if user_callback is not None:
+            user_callback(step, loss)
+
+    history = train(model, train_data, val_data, config, autocast_dtype=autocast_dtype, loss_scaler=scaler, callback=record, **train_kwargs)
+    return history, scaler, trace
+
+
+def fp8_matmul(a: torch.Tensor, b: torch.Tensor, fmt: str | FloatFormat = "fp8_e4m3", out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``a @ b`` in FP8: quantize each operand with its own per-tensor amax scale (the Triton
+    :func:`labkit.kernels.fp8_quantize` kernel, or PyTorch's cast where Triton is missing),
+    then ``torch._scaled_mm`` multiplies the FP8 codes, accumulates in fp32 and applies both
+    scales on the way out, the way FP8 GEMMs run on Hopper/Blackwell tensor cores."""
+    fmt = get_format(fmt)
+    if fmt.name not in ("fp8_e4m3", "fp8_e5m2"):
+        raise ValueError(f"fmt={fmt.name!r}: expected 'fp8_e4m3' or 'fp8_e5m2'")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"a, b: expected [M, K] and [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
+    from labkit import kernels
+
+    quantize_fn = kernels.fp8_quantize if kernels.available()[0] else fp8_quantize_torch
+    a_codes, a_scale = quantize_fn(a, fmt.name)
+    # _scaled_mm wants its second operand column-major: quantize b^T row-major and transpose.
+    bt_codes, b_scale = quantize_fn(b.t().contiguous(), fmt.name)
+    return torch._scaled_mm(a_codes.view(fmt.torch_dtype), bt_codes.view(fmt.torch_dtype).t(),
+                            scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)
+
+
+def fp8_quantize_torch(x: torch.Tensor, fmt: str = "fp8_e4m3", scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`labkit.kernels.fp8_quantize` computes, in plain PyTorch (for machines
+    without Triton): ``(uint8 codes of x / scale, scale as a 0-d fp32 tensor)``, saturating,
+    with ``scale = amax / fmt.max`` when none is given."""
+    scale = amax_scale(x, fmt) if scale is None else scale
+    codes = quantize(x, scale, fmt).to(torch.uint8).reshape(x.shape).to(x.device)
+    return codes, torch.tensor(_fp32(scale), dtype=torch.float32, device=x.device)
+
+
+def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    """``||approx - exact|| / ||exact||`` in float64."""
+    exact = exact.detach().double()
+    return (torch.linalg.vector_norm(approx.detach().double() - exact) / torch.linalg.vector_norm(exact)).item()
+
+
+# ----------------------------------------------------------------------------- FP8 scaling
+def amax_scale(x: torch.Tensor, fmt: str | FloatFormat = "fp8_e4m3", margin: int = 0) -> float:
+    """Per-tensor scale that maps the largest finite ``|x|`` onto ``fmt.max`` (times ``2^margin``
+    of headroom): store ``x / scale`` in the format, read back ``code_value * scale``.
+    An all-zero (or empty) tensor gets scale 1."""
+    fmt = get_format(fmt)
+    if not isinstance(margin, int) or margin < 0:
+        raise ValueError(f"margin={margin!r}: expected a non-negative integer (powers of two of headroom)")
+    amax = finite_amax(x)
+    return amax / fmt.max * 2.0**margin if amax > 0 else 1.0
+
+
+def finite_amax(x: torch.Tensor) -> float:
+    """``max |x|`` over the finite entries (0 for none): NaN/inf must not poison a scale."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x: expected a floating-point tensor, got {type(x).__name__ if not isinstance(x, torch.Tensor) else x.dtype}")
+    magnitudes = x.detach().float().abs()
+    magnitudes = magnitudes[torch.isfinite(magnitudes)]
+    return magnitudes.max().item() if magnitudes.numel() else 0.0
+
+
+def quantize(x: torch.Tensor, scale: float, fmt: str | FloatFormat = "fp8_e4m3") -> torch.Tensor:
+    """Codes of ``x / scale`` in ``fmt``, saturating at ±max (how FP8 training casts). The
+    division happens in fp32, as on the GPU, so the codes equal PyTorch's
+    ``(x / scale).to(torch.float8_e4m3fn)`` wherever that does not overflow."""
+    if not scale > 0 or not math.isfinite(scale):
+        raise ValueError(f"scale={scale}: expected a positive finite number")
+    return encode(_as_values(x, "x").float() / _fp32(scale), fmt, saturate=True)
+
+
+def dequantize(codes: torch.Tensor, scale: float, fmt: str | FloatFormat = "fp8_e4m3") -> torch.Tensor:
+    """Values (float64) of ``codes`` times ``scale``: the inverse of :func:`quantize`."""
+    return decode(codes, fmt) * scale
+
+
+def scaling_report(x: torch.Tensor, scale: float, fmt: str | FloatFormat = "fp8_e4m3") -> dict:
+    """What storing ``x / scale`` in ``fmt`` does: the fraction of entries clipped to ±max,
+    the fraction of non-zero entries flushed to zero, and the relative error
+    ``||deq - x|| / ||x||``."""
+    fmt = get_format(fmt)
+    x = _as_values(x, "x")
+    restored = dequantize(quantize(x, scale, fmt), scale, fmt)
+    clipped = (x.abs() / scale > fmt.max).double().mean().item()
+    nonzero = x != 0
+    flushed = ((restored == 0) & nonzero).double().sum().item() / max(1, int(nonzero.sum()))
+    return {"scale": scale, "clipped": clipped, "flushed": flushed, "rel_error": relative_error(restored, x)}
+
+
+class DelayedScaling:
+    """FP8 delayed scaling (Transformer Engine's recipe): this step's tensor is cast with a scale
+    computed from the amaxes of the *previous* ``history_len`` steps, and its own amax joins the
+    history afterwards. The scale is known before the tensor exists, so the cast fuses into the
+    op that produces it; the price is that a sudden spike is clipped for one step.
+    """
+
+    def __init__(self, history_len: int = 16, fmt: str | FloatFormat = "fp8_e4m3", margin: int = 0):
+        if not isinstance(history_len, int) or history_len <= 0:
+            raise ValueError(f"history_len={history_len!r}: expected a positive integer")
+        self.fmt = get_format(fmt)
+        if not isinstance(margin, int) or margin < 0:
+            raise ValueError(f"margin={margin!r}: expected a non-negative integer")
+        self.margin = margin
+        self.amax_history: deque[float] = deque(maxlen=history_len)
+
+    @property
+    def scale(self) -> float:
+        """The scale the next tensor gets: ``max(history) / fmt.max * 2^margin`` (1 before any history)."""
+        amax = max(self.amax_history, default=0.0)
+        return amax / self.fmt.max * 2.0**self.margin if amax > 0 else 1.0
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Quantize ``x`` with the current scale, then record its amax. Returns ``(codes, scale)``."""
+        scale = self.scale
+        codes = quantize(x, scale, self.fmt)
+        self.amax_history.append(finite_amax(x))
+        return codes, scale
+
+
+# ----------------------------------------------------------------------------- helpers
+def _as_values(x, name: str) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        if x.dtype == torch.bool or x.is_complex():
+            raise TypeError(f"{name}: expected real numbers, got a {x.dtype} tensor")
+        return x.detach().to(device="cpu", dtype=torch.float64)
+    if isinstance(x, bool):
+        raise TypeError(f"{name}: expected numbers, got a bool")
+    try:
+        return torch.as_tensor(x, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise TypeError(f"{name}: expected a tensor or numbers, got {type(x).__name__}") from err
+
+
+def _binade(magnitude: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """``floor(log2 |x|)``, but never below the smallest normal binade ``1 - bias``: values
+    there (subnormals, zero) share that binade's spacing, which is what gradual underflow is."""
+    _, frexp_exp = torch.frexp(magnitude)  # magnitude = f * 2^frexp_exp with f in [0.5, 1)
+    return torch.where(magnitude > 0, frexp_exp.long() - 1, -(1 << 30)).clamp(min=1 - fmt.bias)
+
+
+def _as_codes(codes, fmt: FloatFormat) -> torch.Tensor:
+    if isinstance(codes, torch.Tensor):
+        if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
+            raise TypeError(f"codes: expected an integer tensor of bit patterns, got {codes.dtype}")
+        codes = codes.detach().cpu().long()
+    elif isinstance(codes, int) and not isinstance(codes, bool):
+        codes = torch.tensor(codes, dtype=torch.int64)
+    else:
+        raise TypeError(f"codes: expected an integer tensor or int, got {type(codes).__name__}")
+    if codes.numel() and (codes.min() < -(1 << (fmt.bits - 1)) or codes.max() >= (1 << fmt.bits)):
+        raise ValueError(
+            f"codes: {fmt.name} codes lie in [0, 2^{fmt.bits}) (or [-2^{fmt.bits - 1}, 0) as two's complement), "
+            f"got min {int(codes.min())}, max {int(codes.max())}"
+        )
+    return codes & ((1 << fmt.bits) - 1)
+
+
+def _check_code(code: int, fmt: FloatFormat) -> int:
+    if not isinstance(code, int) or isinstance(code, bool) or not 0 <= code < (1 << fmt.bits):
+        raise ValueError(f"code={code!r}: expected an integer in [0, {1 << fmt.bits}) for {fmt.name}")
+    return code
+
+
+def _parameters(optimizer_or_params) -> list[torch.Tensor]:
+    if isinstance(optimizer_or_params, torch.optim.Optimizer):
+        return [p for group in optimizer_or_params.param_groups for p in group["params"]]
+    if isinstance(optimizer_or_params, torch.Tensor):
+        return [optimizer_or_params]
+    try:
+        return list(optimizer_or_params)
+    except TypeError:
+        raise TypeError(f"optimizer_or_params: expected an optimizer or an iterable of parameters, got {type(optimizer_or_params).__name__}") from None
+
+
+def _fp32(value: float) -> float:
+    return torch.tensor(value, dtype=torch.float32).item()
+
+
+def _short(value: float | None) -> str:
+    if value is None:
+        return "none"
+    return f"{value:.6g}"

@@ -1,0 +1,144 @@
+"""Chapter 01 graders accept right answers and reject the typical wrong ones."""
+import math
+
+import pytest
+import torch
+
+import labkit  # noqa: F401
+from labkit import checks
+from labkit import precision as P
+from labkit.checks import CheckFailed
+
+
+# ----------------------------------------------------------------------------- decode_e4m3
+def e4m3_by_hand(code, bias=7, subnormals=True, nan_only=True, signed=True):
+    sign, exponent, mantissa = code >> 7, (code >> 3) & 0xF, code & 0x7
+    if nan_only and code & 0x7F == 0x7F:
+        return math.nan
+    if not nan_only and exponent == 15:
+        return math.inf if mantissa == 0 else math.nan
+    if exponent == 0 and subnormals:
+        value = mantissa / 8 * 2.0 ** (1 - bias)
+    else:
+        value = (1 + mantissa / 8) * 2.0 ** (exponent - bias)
+    return -value if sign and signed else value
+
+
+def test_decode_e4m3_accepts_right_answers(capsys):
+    checks.decode_e4m3(e4m3_by_hand)
+    checks.decode_e4m3(lambda c: P.decode(c, "fp8_e4m3").item())
+    checks.decode_e4m3(lambda c: torch.tensor([c], dtype=torch.uint8).view(torch.float8_e4m3fn).float())
+    assert "✓ decode_e4m3" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda c: e4m3_by_hand(c, bias=8), "bias"),
+    (lambda c: e4m3_by_hand(c, subnormals=False), "subnormal"),
+    (lambda c: e4m3_by_hand(c, nan_only=False), "no inf"),
+    (lambda c: e4m3_by_hand(c, signed=False), "sign"),
+    (lambda c: str(e4m3_by_hand(c)), "Python number"),
+    (lambda c: 1 / 0, "ZeroDivisionError"),
+])
+def test_decode_e4m3_rejects_typical_mistakes(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks.decode_e4m3(wrong)
+
+
+# ----------------------------------------------------------------------------- format_range
+def range_by_hand(fmt, ieee_reserves=True, nan_only_mantissa=True, bias_shift=0, subnormal_shift=True):
+    e, m, bias = fmt.exponent_bits, fmt.mantissa_bits, fmt.bias + bias_shift
+    top, full = (1 << e) - 1, (1 << m) - 1
+    if fmt.specials == "ieee" and ieee_reserves:
+        exponent, mantissa = top - 1, full
+    elif fmt.specials == "nan_only" and nan_only_mantissa:
+        exponent, mantissa = top, full - 1
+    else:
+        exponent, mantissa = top, full
+    maximum = (1 + mantissa / 2**m) * 2.0 ** (exponent - bias)
+    min_normal = 2.0 ** (1 - bias)
+    return maximum, min_normal, min_normal * (2.0**-m if subnormal_shift else 1)
+
+
+def test_format_range_accepts_right_answers(capsys):
+    checks.format_range(range_by_hand)
+    checks.format_range(lambda f: (f.max, f.min_normal, f.min_subnormal))
+    assert "✓ format_range" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda f: range_by_hand(f, ieee_reserves=False), "reserves the all-ones exponent"),
+    (lambda f: range_by_hand(f, nan_only_mantissa=False), "nan_only"),
+    (lambda f: range_by_hand(f, bias_shift=1), "max"),
+    (lambda f: range_by_hand(f, subnormal_shift=False), "one mantissa step"),
+    (lambda f: range_by_hand(f)[:2], "three numbers"),
+])
+def test_format_range_rejects_typical_mistakes(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks.format_range(wrong)
+
+
+# ----------------------------------------------------------------------------- update_scale
+def scale_rule(scale, growth_tracker, found_inf, *, growth_factor, backoff_factor, growth_interval,
+               reset_on_inf=True, off_by_one=False, reset_on_growth=True, fixed_factors=False):
+    if fixed_factors:
+        growth_factor, backoff_factor = 2.0, 0.5
+    if found_inf:
+        return scale * backoff_factor, 0 if reset_on_inf else growth_tracker
+    growth_tracker += 1
+    if growth_tracker == growth_interval + (1 if off_by_one else 0):
+        return scale * growth_factor, 0 if reset_on_growth else growth_tracker
+    return scale, growth_tracker
+
+
+def test_update_scale_accepts_right_answers(capsys):
+    checks.update_scale(scale_rule)
+    checks.update_scale(P.update_scale)
+    assert "✓ update_scale" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake", [dict(reset_on_inf=False), dict(off_by_one=True), dict(reset_on_growth=False), dict(fixed_factors=True)])
+def test_update_scale_rejects_typical_mistakes(mistake):
+    with pytest.raises(CheckFailed):
+        checks.update_scale(lambda *a, **k: scale_rule(*a, **k, **mistake))
+
+
+def test_update_scale_rejects_growing_on_overflow():
+    def grows_anyway(scale, tracker, found_inf, *, growth_factor, backoff_factor, growth_interval):
+        tracker += 1
+        if tracker == growth_interval:
+            return scale * growth_factor, 0
+        return (scale * backoff_factor, 0) if found_inf else (scale, tracker)
+
+    with pytest.raises(CheckFailed, match="never grows"):
+        checks.update_scale(grows_anyway)
+
+
+# ----------------------------------------------------------------------------- amax_scale
+def scale_by_hand(x, fmt, margin=0, use_abs=True, inverted=False, with_margin=True, guard_zero=True, finite_only=True):
+    fmt = P.get_format(fmt)
+    values = x.abs() if use_abs else x
+    if finite_only:
+        values = values[torch.isfinite(values)]
+    amax = values.max().item()
+    if amax == 0 and guard_zero:
+        return 1.0
+    scale = fmt.max / amax if inverted else amax / fmt.max
+    return scale * 2**margin if with_margin else scale
+
+
+def test_amax_scale_accepts_right_answers(capsys):
+    checks.amax_scale(scale_by_hand)
+    checks.amax_scale(P.amax_scale)
+    assert "✓ amax_scale" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    (dict(use_abs=False), "magnitude"),
+    (dict(inverted=True), "amax / fmt.max"),
+    (dict(with_margin=False), "margin"),
+    (dict(guard_zero=False), "all-zero"),
+    (dict(finite_only=False), "finite"),
+])
+def test_amax_scale_rejects_typical_mistakes(mistake, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks.amax_scale(lambda x, fmt, margin=0: scale_by_hand(x, fmt, margin, **mistake))
