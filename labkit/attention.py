@@ -1,16 +1,23 @@
-"""Attention as a serving system sees it: the KV cache and what it costs.
-
-(Chapter 03 adds the tiled FlashAttention reference and the KV-cache calculators here.)
+"""Attention as a serving system sees it (chapter 03): FlashAttention's online softmax written
+with plain torch tiles, the KV cache and what it costs in memory and time, and the functions
+behind the chapter's widgets.
 """
 from __future__ import annotations
 
+import math
+import time
+from dataclasses import dataclass, replace
+
 import torch
+
+from labkit.model import PRESETS, ModelConfig, count_parameters, generate
+from labkit.nn import causal_mask, scaled_dot_product_attention
 
 
 class KVCache:
     """Preallocated K/V buffers, one pair per layer, each ``[batch, num_kv_heads, max_seq_len, head_dim]``.
 
-    ``update(layer_idx, k, v)`` writes the new keys/values after the ones already cached and
+    ``update(layer_idx, k, v)`` (alias ``append``) writes the new keys/values after the ones already cached and
     returns views of everything cached so far; the length advances once the last layer has
     written (all layers see the same positions in one forward pass).
     """
@@ -31,11 +38,18 @@ class KVCache:
         weight = model.token_embeddings.weight
         return cls(cfg.num_layers, batch_size, cfg.kv_heads, max_seq_len or cfg.context_length, cfg.dim_per_head, dtype=weight.dtype, device=weight.device)
 
+    def reset(self) -> None:
+        """Forget everything cached (the buffers stay allocated for the next sequence)."""
+        self._lengths = [0] * self.num_layers
+
     def length(self, layer_idx: int = 0) -> int:
         """Number of positions cached for ``layer_idx``."""
         return self._lengths[layer_idx]
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+        """Append ``k, v`` ``[batch, num_kv_heads, new, head_dim]`` to layer ``layer_idx``; return
+        ``(k_all, v_all)``, views of every position cached so far. Raises ``ValueError`` if the
+        cache would overflow ``max_seq_len``."""
         if not 0 <= layer_idx < self.num_layers:
             raise ValueError(f"layer_idx={layer_idx}: expected 0 <= layer_idx < {self.num_layers}")
         expected = self.k.shape[1:3] + self.k.shape[4:]
@@ -52,7 +66,323 @@ class KVCache:
         self._lengths[layer_idx] = start + new
         return self.k[layer_idx, :, :, : start + new], self.v[layer_idx, :, :, : start + new]
 
+    append = update
+
     @property
     def nbytes(self) -> int:
         """Bytes the cache buffers occupy (allocated up front for ``max_seq_len``)."""
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+
+# ----------------------------------------------------------------------------- FlashAttention in torch
+def online_softmax_update(running_max, running_sum, acc, scores, values):
+    """Fold one block of keys into a running softmax-weighted sum (FlashAttention's inner step).
+
+    ``running_max``/``running_sum`` ``[..., q]``: the max of the scores seen so far and the sum of
+    ``exp(score - running_max)`` over them; ``acc`` ``[..., q, d]``: the sum of
+    ``exp(score - running_max) * value``. ``scores`` ``[..., q, k]`` (scaled; masked entries
+    ``-inf``) and ``values`` ``[..., k, d]`` are the new block. Returns the three updated.
+    When the max grows, everything accumulated so far was exponentiated against the old max,
+    so it is rescaled by ``exp(old_max - new_max)``; at the end ``acc / running_sum`` is exactly
+    ``softmax(all scores) @ all values``.
+    """
+    new_max = torch.maximum(running_max, scores.amax(dim=-1))
+    correction = torch.exp(running_max - new_max)
+    p = torch.exp(scores - new_max[..., None])
+    new_sum = running_sum * correction + p.sum(dim=-1)
+    new_acc = acc * correction[..., None] + p @ values
+    return new_max, new_sum, new_acc
+
+
+def flash_attention_torch(q, k, v, causal: bool = False, block_q: int = 64, block_k: int = 64, scale: float | None = None):
+    """FlashAttention-2's forward with plain torch tiles: ``(out, lse)``.
+
+    Same contract as :func:`labkit.kernels.flash_attention_with_lse` (q ``[B, Hq, Nq, D]``, k/v
+    ``[B, Hkv, Nk, D]``, bottom-right causal mask, ``lse`` fp32 ``[B, Hq, Nq]``), but written
+    for reading: for each block of ``block_q`` queries, walk the key blocks, folding each into
+    the running max / sum / accumulator with :func:`online_softmax_update`. At most a
+    ``block_q x block_k`` tile of scores exists at any time. Math in fp32 (fp64 for fp64 input).
+    """
+    _check_qkv(q, k, v)
+    for name, value in (("block_q", block_q), ("block_k", block_k)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}={value!r}: expected a positive integer")
+    num_q, num_k = q.shape[-2], k.shape[-2]
+    if causal and num_q > num_k:
+        raise ValueError(f"causal=True with Nq={num_q} > Nk={num_k}: bottom-right alignment leaves the first queries no key")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    compute = torch.promote_types(q.dtype, torch.float32)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.to(compute).repeat_interleave(group, dim=1), v.to(compute).repeat_interleave(group, dim=1)
+    out = torch.empty(q.shape, dtype=compute, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=compute, device=q.device)
+    offset = num_k - num_q  # bottom-right: query i sees keys j <= i + offset
+    for q_start in range(0, num_q, block_q):
+        q_end = min(q_start + block_q, num_q)
+        q_block = q[:, :, q_start:q_end].to(compute)
+        running_max = torch.full(q_block.shape[:-1], float("-inf"), dtype=compute, device=q.device)
+        running_sum = torch.zeros_like(running_max)
+        acc = torch.zeros_like(q_block)
+        last_key = min(num_k, q_end + offset) if causal else num_k  # later key blocks are fully masked
+        for k_start in range(0, last_key, block_k):
+            k_end = min(k_start + block_k, num_k)
+            scores = q_block @ k[:, :, k_start:k_end].transpose(-2, -1) * scale
+            if causal:
+                rows = torch.arange(q_start, q_end, device=q.device)[:, None]
+                cols = torch.arange(k_start, k_end, device=q.device)[None, :]
+                scores = scores.masked_fill(cols > rows + offset, float("-inf"))
+            running_max, running_sum, acc = online_softmax_update(running_max, running_sum, acc, scores, v[:, :, k_start:k_end])
+        out[:, :, q_start:q_end] = acc / running_sum[..., None]
+        lse[:, :, q_start:q_end] = running_max + torch.log(running_sum)
+    return out.to(q.dtype), lse
+
+
+def _check_qkv(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-D tensor [batch, heads, seq, head_dim], got {getattr(t, 'shape', type(t).__name__)}")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q, k, v: expected q [B, Hq, Nq, D] and k, v [B, Hkv, Nk, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"q, k: query heads Hq={q.shape[1]} must be a multiple of K/V heads Hkv={k.shape[1]}")
+
+
+def plain_attention(q, k, v, causal: bool = False) -> torch.Tensor:
+    """Textbook attention on ``[B, H, N, D]`` tensors (GQA by repeating K/V): materialises the
+    ``N x N`` scores and probabilities, which autograd keeps for the backward pass."""
+    _check_qkv(q, k, v)
+    group = q.shape[1] // k.shape[1]
+    mask = causal_mask(q.shape[-2], k.shape[-2], device=q.device) if causal else None
+    return scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), mask)
+
+
+def saved_for_backward_bytes(fn, *inputs) -> int:
+    """Bytes of the tensors autograd keeps for the backward pass of ``fn(*inputs)``, not
+    counting the inputs themselves (tensors that share storage are counted once)."""
+    input_storages = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in input_storages:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*inputs)
+    return sum(storages.values())
+
+
+# ----------------------------------------------------------------------------- KV-cache memory
+# Bytes per element of the formats a KV cache (or weights) can be stored in.
+DTYPE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+
+
+def bytes_per_element(dtype) -> float:
+    """Bytes per element of a torch dtype or a format name (``"bf16"``, ``"fp8"``, ``"int4"``, ...)."""
+    if isinstance(dtype, torch.dtype):
+        return float(torch.empty((), dtype=dtype).element_size())
+    if dtype in DTYPE_BYTES:
+        return DTYPE_BYTES[dtype]
+    raise ValueError(f"dtype={dtype!r}: expected a torch.dtype or one of {sorted(DTYPE_BYTES)}")
+
+
+def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: int, batch_size: int = 1, dtype=torch.bfloat16) -> int:
+    """Bytes of a KV cache: one key and one value vector per layer, KV head, position and sequence,
+    ``2 * num_layers * num_kv_heads * head_dim * seq_len * batch_size * bytes_per_element``."""
+    for name, value in dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, seq_len=seq_len, batch_size=batch_size).items():
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}={value!r}: expected a non-negative integer")
+    return int(round(2 * num_layers * num_kv_heads * head_dim * seq_len * batch_size * bytes_per_element(dtype)))
+
+
+def model_kv_cache_bytes(config: ModelConfig, seq_len: int, batch_size: int = 1, dtype=torch.bfloat16) -> int:
+    """:func:`kv_cache_bytes` of the architecture ``config`` (e.g. ``PRESETS["qwen3-8b"]``)."""
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config: expected a labkit.model.ModelConfig, got {type(config).__name__}")
+    return kv_cache_bytes(config.num_layers, config.kv_heads, config.dim_per_head, seq_len, batch_size, dtype)
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype=torch.bfloat16) -> int:
+    """KV-cache bytes one more token of context costs (per sequence) for the architecture ``config``."""
+    return model_kv_cache_bytes(config, seq_len=1, batch_size=1, dtype=dtype)
+
+
+def with_kv_heads(config: ModelConfig, attention: str) -> ModelConfig:
+    """``config`` with its K/V heads set for ``attention``: ``"as published"`` (unchanged),
+    ``"mha"`` (one K/V head per query head), ``"gqa"`` (8 K/V heads, as Llama 3 and Qwen3),
+    or ``"mqa"`` (one K/V head shared by all query heads)."""
+    kv_heads = {"as published": config.kv_heads, "mha": config.num_heads, "gqa": min(8, config.num_heads), "mqa": 1}
+    if attention not in kv_heads:
+        raise ValueError(f"attention={attention!r}: expected one of {list(kv_heads)}")
+    if config.num_heads % kv_heads[attention]:
+        raise ValueError(f"attention={attention!r}: num_heads={config.num_heads} is not a multiple of {kv_heads[attention]} K/V heads")
+    head_dim = config.dim_per_head  # keep the head size when the head count changes
+    return replace(config, num_kv_heads=kv_heads[attention], head_dim=head_dim)
+
+
+@dataclass
+class KVCacheEstimate:
+    """What a model needs in GPU memory to serve ``batch_size`` sequences of ``seq_len`` tokens."""
+
+    num_params: int
+    weight_bytes: int
+    kv_bytes: int
+    kv_bytes_per_token: int
+    gpu_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.gpu_bytes
+
+    def summary(self) -> str:
+        verdict = "fits" if self.fits else "does NOT fit"
+        return (
+            f"parameters {self.num_params / 1e9:.3g} B -> weights {self.weight_bytes / 1e9:.3g} GB\n"
+            f"KV cache {self.kv_bytes_per_token / 1024:.4g} KiB per token -> {self.kv_bytes / 1e9:.3g} GB\n"
+            f"total {self.total_bytes / 1e9:.3g} GB on a {self.gpu_bytes / 1e9:.3g} GB GPU: {verdict}"
+        )
+
+
+def kv_calculator(
+    config="qwen3-8b",
+    attention: str = "as published",
+    batch_size: int = 1,
+    seq_len: int = 32768,
+    kv_dtype="bf16",
+    weight_dtype="bf16",
+    gpu_gb: float = 80.0,
+) -> KVCacheEstimate:
+    """The KV-cache calculator behind the chapter's widget: weights + KV cache of a preset name or
+    a ``ModelConfig``, with its attention switched to MHA/GQA/MQA if asked (which also changes
+    the K/V projection weights), against a GPU of ``gpu_gb`` gigabytes (10^9 bytes)."""
+    if isinstance(config, str):
+        if config not in PRESETS:
+            raise ValueError(f"config={config!r}: expected a ModelConfig or one of {sorted(PRESETS)}")
+        config = PRESETS[config]
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config: expected a preset name or a ModelConfig, got {type(config).__name__}")
+    if not gpu_gb > 0:
+        raise ValueError(f"gpu_gb={gpu_gb!r}: expected a positive number")
+    config = with_kv_heads(config, attention)
+    num_params = count_parameters(config)
+    return KVCacheEstimate(
+        num_params=num_params,
+        weight_bytes=int(round(num_params * bytes_per_element(weight_dtype))),
+        kv_bytes=model_kv_cache_bytes(config, seq_len, batch_size, kv_dtype),
+        kv_bytes_per_token=kv_bytes_per_token(config, kv_dtype),
+        gpu_bytes=int(gpu_gb * 1e9),
+    )
+
+
+# ----------------------------------------------------------------------------- decode speed
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def random_prompt(model, prompt_len: int, batch_size: int = 1, seed: int = 0) -> torch.Tensor:
+    """``[batch_size, prompt_len]`` token ids drawn from a private seeded generator."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (batch_size, prompt_len), generator=generator)
+    return ids.to(model.token_embeddings.weight.device)
+
+
+def time_generation(model, prompt_ids: torch.Tensor, max_new_tokens: int, use_cache: bool, repeats: int = 3) -> float:
+    """Best-of-``repeats`` wall-clock seconds of greedy :func:`labkit.model.generate`."""
+    device = prompt_ids.device
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        generate(model, prompt_ids, max_new_tokens, use_cache=use_cache)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def decode_speed(model, new_token_counts, prompt_len: int = 8, batch_size: int = 1, repeats: int = 3) -> list[dict]:
+    """Generated tokens per second with and without the KV cache, for each generated length.
+
+    Without a cache step ``t`` re-runs the model on all ``prompt_len + t`` tokens, so total work
+    grows quadratically with the length; with a cache each step runs one token."""
+    prompt = random_prompt(model, prompt_len, batch_size)
+    generate(model, prompt, 2)  # warm-up: first calls pay for allocations and lazy initialisation
+    rows = []
+    for count in new_token_counts:
+        cached = time_generation(model, prompt, count, use_cache=True, repeats=repeats)
+        uncached = time_generation(model, prompt, count, use_cache=False, repeats=repeats)
+        tokens = count * batch_size
+        rows.append(dict(new_tokens=count, cached_tok_s=tokens / cached, uncached_tok_s=tokens / uncached, speedup=uncached / cached))
+    return rows
+
+
+@torch.no_grad()
+def prefill_and_decode_times(model, prompt_len: int, decode_steps: int = 8, batch_size: int = 1, repeats: int = 3) -> dict:
+    """Seconds for the prefill (one forward over the whole prompt, filling the cache) and per
+    decode step (one token against the cache). Prefill processes ``prompt_len`` tokens per
+    weight read; a decode step processes one, which is why it is memory-bound on a GPU."""
+    prompt = random_prompt(model, prompt_len, batch_size)
+    device = prompt.device
+    best_prefill = best_decode = float("inf")
+    was_training = model.training
+    model.eval()
+    for _ in range(repeats):
+        cache = KVCache.for_model(model, batch_size, prompt_len + decode_steps)
+        _sync(device)
+        start = time.perf_counter()
+        logits = model(prompt, kv_cache=cache)
+        _sync(device)
+        best_prefill = min(best_prefill, time.perf_counter() - start)
+        next_id = logits[:, -1:].argmax(-1)
+        start = time.perf_counter()
+        for _ in range(decode_steps):
+            next_id = model(next_id, kv_cache=cache)[:, -1:].argmax(-1)
+        _sync(device)
+        best_decode = min(best_decode, (time.perf_counter() - start) / decode_steps)
+    model.train(was_training)
+    return dict(prompt_len=prompt_len, prefill_s=best_prefill, decode_step_s=best_decode,
+                prefill_tok_s=prompt_len * batch_size / best_prefill, decode_tok_s=batch_size / best_decode)
+
+
+# ----------------------------------------------------------------------------- attention explorer
+@torch.no_grad()
+def attention_map(model, token_ids: torch.Tensor, layer: int = 0, head: int = 0, causal: bool = True) -> torch.Tensor:
+    """Attention probabilities ``[seq, seq]`` of one head of a :class:`labkit.model.TransformerLM`
+    on a 1-D prompt: row ``i`` is how query ``i`` spreads its attention over the keys.
+
+    The layer's input is captured with a forward pre-hook during a normal forward pass, then
+    the layer recomputes its scores (``causal=False`` drops the mask to show what the head
+    would look at without it)."""
+    if token_ids.dim() != 1 or token_ids.numel() == 0:
+        raise ValueError(f"token_ids: expected a non-empty 1-D tensor of token ids, got shape {tuple(token_ids.shape)}")
+    if not 0 <= layer < len(model.layers):
+        raise ValueError(f"layer={layer}: expected 0 <= layer < {len(model.layers)}")
+    attn = model.layers[layer].attn
+    if not 0 <= head < attn.num_heads:
+        raise ValueError(f"head={head}: expected 0 <= head < {attn.num_heads}")
+    captured = {}
+    hook = attn.register_forward_pre_hook(lambda module, args: captured.setdefault("x", args[0]))
+    was_training = model.training
+    try:
+        model.eval()
+        model(token_ids[None])
+    finally:
+        hook.remove()
+        model.train(was_training)
+    return attn.attention_weights(captured["x"], causal=causal)[0, head]
+
+
+def attention_explorer(model, tokenizer, prompt: str, layer: int = 0, head: int = 0, causal: bool = True):
+    """Callback of the attention-explorer widget: ``(weights [seq, seq], token labels)`` for a
+    text prompt (plot them with :func:`labkit.widgets_attention.plot_attention`)."""
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"prompt={prompt!r}: expected a non-empty string")
+    device = model.token_embeddings.weight.device
+    ids = tokenizer.encode(prompt)
+    labels = [tokenizer.decode([i]) for i in ids]
+    return attention_map(model, torch.tensor(ids, device=device), layer, head, causal).cpu(), labels

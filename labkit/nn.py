@@ -325,6 +325,24 @@ class MultiHeadSelfAttention(nn.Module):
         self.rope = rope
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None, kv_cache=None, layer_idx: int = 0) -> torch.Tensor:
+        q, k, v = self._project(x, token_positions, kv_cache, layer_idx)
+        out = self._attend(q, k, v)  # [..., heads, seq, head_dim]
+        *lead, seq, _ = x.shape
+        return self.output_proj(out.transpose(-3, -2).reshape(*lead, seq, self.num_heads * self.head_dim))
+
+    def attention_weights(self, x: torch.Tensor, token_positions: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
+        """The softmax probabilities ``[..., heads, seq, seq]`` this layer computes for input
+        ``x`` (``causal=False`` shows what the heads would attend to without the mask)."""
+        q, k, _ = self._project(x, token_positions, None, 0)
+        k = self._repeat_kv(k)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+        if causal:
+            scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], device=q.device), float("-inf"))
+        return softmax(scores.float(), dim=-1)
+
+    def _project(self, x: torch.Tensor, token_positions, kv_cache, layer_idx: int):
+        """q ``[..., heads, seq, head_dim]`` and k, v ``[..., kv_heads, seq(+cached), head_dim]``,
+        after QK-norm and RoPE; new keys/values are appended to ``kv_cache`` if one is given."""
         if x.dim() < 2:
             raise ValueError(f"x: expected [..., seq, d_model], got shape {tuple(x.shape)}")
         _check_last_dim(x, self.d_model)
@@ -342,19 +360,20 @@ class MultiHeadSelfAttention(nn.Module):
             q, k = self.rope(q, positions), self.rope(k, positions)
         if kv_cache is not None:
             k, v = kv_cache.update(layer_idx, k, v)
-        out = self._attend(q, k, v)  # [..., heads, seq, head_dim]
-        return self.output_proj(out.transpose(-3, -2).reshape(*lead, seq, self.num_heads * self.head_dim))
+        return q, k, v
+
+    def _repeat_kv(self, t: torch.Tensor) -> torch.Tensor:
+        group = self.num_heads // self.num_kv_heads
+        return t.repeat_interleave(group, dim=-3) if group > 1 else t
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.use_triton and _kernels_available() and q.dim() == 4:
+        if self.use_triton and _kernels_available() and q.dim() == 4 and q.dtype in (torch.float32, torch.float16, torch.bfloat16):
             from labkit import kernels
 
-            return kernels.flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True)
-        group = self.num_heads // self.num_kv_heads
-        if group > 1:
-            k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+            # the kernel reads grouped K/V heads in place: no repeat, no copy of the transposed views
+            return kernels.flash_attention(q, k, v, causal=True)
         mask = causal_mask(q.shape[-2], k.shape[-2], device=q.device)
-        return scaled_dot_product_attention(q, k, v, mask)
+        return scaled_dot_product_attention(q, self._repeat_kv(k), self._repeat_kv(v), mask)
 
 
 # ----------------------------------------------------------------------------- helpers

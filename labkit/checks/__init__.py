@@ -7,3 +7,7 @@ what was expected, and a hint.
 """
 from labkit.checks._core import CheckFailed  # noqa: F401
 from labkit.checks.ch00_foundations import *  # noqa: F401,F403
+from labkit.checks.ch03_attention import *  # noqa: F401,F403
+from labkit.checks.ch07_memory import *  # noqa: F401,F403
+from labkit.checks.ch01_precision import *  # noqa: F401,F403
+from labkit.checks.ch02_norms import *  # noqa: F401,F403

@@ -1,0 +1,252 @@
+"""labkit.attention: the torch FlashAttention, the KV cache and its calculators, decode timing,
+the attention explorer."""
+import math
+
+import labkit  # noqa: F401
+import pytest
+import torch
+import torch.nn.functional as F
+
+from labkit.attention import (
+    KVCache,
+    attention_explorer,
+    attention_map,
+    bytes_per_element,
+    decode_speed,
+    flash_attention_torch,
+    kv_bytes_per_token,
+    kv_cache_bytes,
+    kv_calculator,
+    model_kv_cache_bytes,
+    online_softmax_update,
+    plain_attention,
+    prefill_and_decode_times,
+    saved_for_backward_bytes,
+    with_kv_heads,
+)
+from labkit.data import ArithmeticTask
+from labkit.model import PRESETS, TransformerLM, generate, tiny_config
+from labkit.runtime import triton_mode
+
+
+def sdpa64(q, k, v, causal):
+    group = q.shape[1] // k.shape[1]
+    q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(k.shape[2] - q.shape[2]) if causal else None
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask), torch.logsumexp(scores, -1)
+
+
+# ----------------------------------------------------------------------------- flash_attention_torch
+@pytest.mark.parametrize(
+    "heads,kv_heads,num_q,num_k,head_dim,causal,block_q,block_k",
+    [
+        (2, 2, 37, 37, 32, True, 16, 16),  # ragged self-attention, several blocks each way
+        (4, 1, 1, 50, 64, True, 64, 16),  # MQA decode step
+        (4, 2, 10, 45, 16, True, 4, 8),  # GQA, Nq < Nk, diagonal crosses key blocks
+        (2, 1, 30, 17, 128, False, 8, 5),  # Nq > Nk without a mask
+    ],
+)
+def test_flash_attention_torch_matches_sdpa(heads, kv_heads, num_q, num_k, head_dim, causal, block_q, block_k):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, heads, num_q, head_dim, generator=gen)
+    k = torch.randn(2, kv_heads, num_k, head_dim, generator=gen)
+    v = torch.randn(2, kv_heads, num_k, head_dim, generator=gen)
+    out, lse = flash_attention_torch(q, k, v, causal=causal, block_q=block_q, block_k=block_k)
+    expected, expected_lse = sdpa64(q, k, v, causal)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_flash_attention_torch_keeps_dtype_and_rejects_bad_input():
+    q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
+    out, lse = flash_attention_torch(q, q, q, causal=True)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    with pytest.raises(ValueError, match="multiple of K/V heads"):
+        flash_attention_torch(torch.randn(1, 3, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8))
+    with pytest.raises(ValueError, match="block_q"):
+        flash_attention_torch(q, q, q, block_q=0)
+    with pytest.raises(ValueError, match="bottom-right"):
+        flash_attention_torch(torch.randn(1, 2, 9, 16), q.float(), q.float(), causal=True)
+
+
+def test_online_softmax_update_over_two_blocks_equals_softmax():
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.randn(3, 5, 12, generator=gen, dtype=torch.float64) * 30  # large: exp would overflow unshifted
+    values = torch.randn(3, 12, 4, generator=gen, dtype=torch.float64)
+    m = torch.full((3, 5), float("-inf"), dtype=torch.float64)
+    s, acc = torch.zeros(3, 5, dtype=torch.float64), torch.zeros(3, 5, 4, dtype=torch.float64)
+    m, s, acc = online_softmax_update(m, s, acc, scores[..., :7], values[:, :7])
+    m, s, acc = online_softmax_update(m, s, acc, scores[..., 7:], values[:, 7:])
+    torch.testing.assert_close(acc / s[..., None], torch.softmax(scores, -1) @ values)
+    torch.testing.assert_close(m + s.log(), torch.logsumexp(scores, -1))
+
+
+# ----------------------------------------------------------------------------- memory of attention
+def test_flash_saves_only_output_and_lse_while_plain_attention_saves_n_squared():
+    from labkit.kernels.flash_attention import flash_attention
+
+    device = "cuda" if triton_mode() == "compiled" else "cpu"  # where the kernel runs
+    batch, heads, n, d = 1, 2, 48, 16
+    q, k, v = (torch.randn(batch, heads, n, d, device=device, requires_grad=True) for _ in range(3))
+    flash = saved_for_backward_bytes(lambda *t: flash_attention(*t, causal=True), q, k, v)
+    assert flash == batch * heads * n * d * 4 + batch * heads * n * 4  # out (fp32) + lse (fp32)
+    plain = saved_for_backward_bytes(lambda *t: plain_attention(*t, causal=True), q, k, v)
+    assert plain >= 2 * batch * heads * n * n * 4  # at least the scores and the probabilities
+
+
+# ----------------------------------------------------------------------------- KV cache
+def test_kv_cache_append_length_overflow_and_reset():
+    cache = KVCache(num_layers=2, batch_size=1, num_kv_heads=2, max_seq_len=5, head_dim=4)
+    k = torch.randn(1, 2, 3, 4)
+    k_all, v_all = cache.append(0, k, -k)
+    assert cache.length(0) == 3 and cache.length(1) == 0 and torch.equal(k_all, k) and torch.equal(v_all, -k)
+    k_all, _ = cache.update(0, k[:, :, :2], k[:, :, :2])
+    assert k_all.shape == (1, 2, 5, 4) and torch.equal(k_all[:, :, 3:], k[:, :, :2])
+    with pytest.raises(ValueError, match="overflow"):
+        cache.append(0, k[:, :, :1], k[:, :, :1])
+    with pytest.raises(ValueError, match="num_kv_heads=2"):
+        cache.append(1, torch.randn(1, 3, 1, 4), torch.randn(1, 3, 1, 4))
+    cache.reset()
+    assert cache.length(0) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kv_cache_bytes_equals_a_filled_cache(dtype):
+    config = tiny_config(15, num_kv_heads=2, context_length=40)
+    model = TransformerLM(config).to(dtype)
+    cache = KVCache.for_model(model, batch_size=3, max_seq_len=40)
+    with torch.no_grad():
+        model(torch.randint(0, 15, (3, 40)), kv_cache=cache)
+    assert cache.length(config.num_layers - 1) == 40
+    assert cache.nbytes == kv_cache_bytes(config.num_layers, 2, config.dim_per_head, 40, 3, dtype)
+    assert cache.nbytes == model_kv_cache_bytes(config, 40, 3, dtype)
+    assert cache.nbytes == (cache.k.untyped_storage().nbytes() + cache.v.untyped_storage().nbytes())
+
+
+def test_kv_bytes_seed_numbers_for_qwen3_8b():
+    qwen = PRESETS["qwen3-8b"]
+    # 2 (K and V) x 36 layers x 8 KV heads x 128 dims x 2 bytes (bf16) = 144 KiB per token
+    assert kv_bytes_per_token(qwen) == 2 * 36 * 8 * 128 * 2 == 147456
+    assert model_kv_cache_bytes(qwen, seq_len=32768, batch_size=1) == 147456 * 32768  # 4.5 GiB
+    assert kv_bytes_per_token(qwen, "fp8") == 147456 // 2
+    assert kv_bytes_per_token(with_kv_heads(qwen, "mha")) == 4 * 147456
+    assert kv_bytes_per_token(with_kv_heads(qwen, "mqa")) == 147456 // 8
+
+
+def test_bytes_per_element_and_errors():
+    assert bytes_per_element(torch.bfloat16) == 2 and bytes_per_element("int4") == 0.5
+    assert kv_cache_bytes(1, 1, 2, 3, 1, "int4") == 6
+    with pytest.raises(ValueError, match="dtype"):
+        bytes_per_element("fp7")
+    with pytest.raises(ValueError, match="seq_len"):
+        kv_cache_bytes(1, 1, 1, -1)
+    with pytest.raises(TypeError, match="ModelConfig"):
+        model_kv_cache_bytes("qwen3-8b", 10)
+
+
+def test_kv_calculator_weights_cache_and_fit():
+    est = kv_calculator("llama3-8b", batch_size=4, seq_len=8192, gpu_gb=80)
+    assert est.num_params == 8030261248
+    assert est.weight_bytes == 2 * 8030261248
+    assert est.kv_bytes == 2 * 32 * 8 * 128 * 8192 * 4 * 2
+    assert est.fits and "fits" in est.summary()
+    too_big = kv_calculator("llama2-70b", seq_len=4096, gpu_gb=80)
+    assert not too_big.fits and "NOT" in too_big.summary()
+    # switching to MHA grows the cache 8x and the K/V projections with it
+    mha = kv_calculator("llama3-8b", attention="mha", batch_size=4, seq_len=8192)
+    assert mha.kv_bytes == 4 * est.kv_bytes and mha.num_params == est.num_params + 32 * 2 * 4096 * 4096 * 3 // 4
+    with pytest.raises(ValueError, match="attention"):
+        kv_calculator("llama3-8b", attention="mla")
+    with pytest.raises(ValueError, match="config"):
+        kv_calculator("gpt-5")
+
+
+# ----------------------------------------------------------------------------- cached generation
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_cached_and_uncached_generation_are_token_identical(kv_heads):
+    torch.manual_seed(kv_heads)
+    model = TransformerLM(tiny_config(15, num_kv_heads=kv_heads))
+    prompt = torch.randint(0, 15, (3, 5))
+    cached = generate(model, prompt, 12, use_cache=True)
+    uncached = generate(model, prompt, 12, use_cache=False)
+    assert torch.equal(cached, uncached)
+
+
+def test_decode_timing_helpers_report_positive_rates():
+    model = TransformerLM(tiny_config(15))
+    rows = decode_speed(model, [2, 4], prompt_len=3, repeats=1)
+    assert [r["new_tokens"] for r in rows] == [2, 4]
+    assert all(r["cached_tok_s"] > 0 and r["uncached_tok_s"] > 0 and r["speedup"] > 0 for r in rows)
+    times = prefill_and_decode_times(model, prompt_len=6, decode_steps=2, repeats=1)
+    assert times["prefill_s"] > 0 and times["decode_step_s"] > 0 and times["prefill_tok_s"] > 0
+
+
+# ----------------------------------------------------------------------------- attention explorer
+def test_attention_map_reproduces_the_layer_output():
+    torch.manual_seed(0)
+    model = TransformerLM(tiny_config(15, num_kv_heads=2)).eval()
+    ids = torch.randint(0, 15, (9,))
+    captured = {}
+    attn = model.layers[1].attn
+    handle = attn.register_forward_hook(lambda mod, args, out: captured.update(x=args[0], out=out))
+    with torch.no_grad():
+        model(ids[None])
+    handle.remove()
+    weights = torch.stack([attention_map(model, ids, layer=1, head=h) for h in range(attn.num_heads)])
+    assert torch.allclose(weights.sum(-1), torch.ones(4, 9)) and torch.all(weights.triu(1) == 0)
+    # weights @ V, merged over heads and projected, must be exactly what the layer returned
+    v = attn.v_proj(captured["x"]).view(1, 9, 2, attn.head_dim).transpose(1, 2).repeat_interleave(2, 1)[0]
+    merged = (weights @ v).transpose(0, 1).reshape(9, -1)
+    torch.testing.assert_close(attn.output_proj(merged), captured["out"][0], atol=1e-5, rtol=1e-5)
+    unmasked = attention_map(model, ids, layer=1, head=0, causal=False)
+    assert torch.all(unmasked[torch.ones(9, 9, dtype=torch.bool).triu(1)] > 0)
+
+
+def test_attention_explorer_callback_and_errors():
+    task = ArithmeticTask()
+    model = TransformerLM(tiny_config(task.vocab_size))
+    weights, labels = attention_explorer(model, task.tokenizer, "12+34=", layer=0, head=1)
+    assert weights.shape == (6, 6) and labels == list("12+34=")
+    with pytest.raises(ValueError, match="layer"):
+        attention_explorer(model, task.tokenizer, "1+1=", layer=7)
+    with pytest.raises(ValueError, match="head"):
+        attention_explorer(model, task.tokenizer, "1+1=", head=9)
+    with pytest.raises(ValueError, match="prompt"):
+        attention_explorer(model, task.tokenizer, "")
+
+
+# ----------------------------------------------------------------------------- widgets
+def test_widget_callbacks():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from labkit.widgets_attention import kv_calculator_report, plot_attention, show_attention
+
+    task = ArithmeticTask()
+    model = TransformerLM(tiny_config(task.vocab_size))
+    weights = show_attention(model, task.tokenizer, "12+34=", layer=1, head=3, causal=False)
+    assert weights.shape == (6, 6)
+    with pytest.raises(ValueError, match="weights"):
+        plot_attention(torch.ones(3, 3), ["a", "b"])
+    plt.close("all")
+    report = kv_calculator_report("qwen3-8b", "as published", 1, 32768, "bf16", 80)
+    assert "144 KiB per token" in report and "4.83 GB" in report and "fits" in report
+    custom = kv_calculator_report("custom", "as published", 2, 1024, "fp8", 24, num_layers=2, d_model=256, num_heads=4,
+                                  num_kv_heads=2, head_dim=64, d_ff=512, vocab_size=100)
+    assert f"{2 * 2 * 2 * 64 * 1 / 1024:.4g} KiB per token" in custom
+    assert kv_calculator_report("custom", num_heads=6, num_kv_heads=4).startswith("cannot size this model")
+
+
+def test_widgets_build():
+    from labkit.widgets_attention import attention_explorer_widget, kv_calculator_widget
+
+    task = ArithmeticTask()
+    model = TransformerLM(tiny_config(task.vocab_size))
+    assert attention_explorer_widget(model, task.tokenizer, "1+2=") is not None
+    assert kv_calculator_widget() is not None

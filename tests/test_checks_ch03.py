@@ -1,0 +1,108 @@
+"""Chapter 03 graders accept the reference answers and reject the typical mistakes."""
+import labkit  # noqa: F401
+import pytest
+import torch
+
+from labkit import attention, checks, nn
+from labkit.checks import CheckFailed
+
+
+# ----------------------------------------------------------------------------- causal_mask
+def test_causal_mask_accepts_reference(capsys):
+    checks.causal_mask(nn.causal_mask)
+    assert "causal_mask" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "wrong,hint",
+    [
+        (lambda nq, nk: torch.ones(nq, nk, dtype=torch.bool).tril(), "top-left"),
+        (lambda nq, nk: torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq - 1), "itself"),
+        (lambda nq, nk: ~nn.causal_mask(nq, nk), "inverted"),
+        (lambda nq, nk: nn.causal_mask(nq, nk).float(), "boolean"),
+        (lambda nq, nk: nn.causal_mask(nk, nq), "shape"),
+        (lambda nq, nk: torch.ones(nq, nk, dtype=torch.bool), "query i may attend"),
+    ],
+)
+def test_causal_mask_rejects_typical_mistakes(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks.causal_mask(wrong)
+
+
+# ----------------------------------------------------------------------------- kv_bytes_per_token
+def test_kv_bytes_per_token_accepts_reference(capsys):
+    checks.kv_bytes_per_token(attention.kv_bytes_per_token)
+    checks.kv_bytes_per_token(lambda c, dt: 2 * c.num_layers * c.kv_heads * c.dim_per_head * torch.empty((), dtype=dt).element_size())
+    assert "kv_bytes_per_token" in capsys.readouterr().out
+
+
+def _size(dt):
+    return torch.empty((), dtype=dt).element_size()
+
+
+@pytest.mark.parametrize(
+    "wrong,hint",
+    [
+        (lambda c, dt: c.num_layers * c.kv_heads * c.dim_per_head * _size(dt), "K and V"),
+        (lambda c, dt: 2 * c.num_layers * c.num_heads * c.dim_per_head * _size(dt), "num_kv_heads"),
+        (lambda c, dt: 2 * c.kv_heads * c.dim_per_head * _size(dt), "num_layers"),
+        (lambda c, dt: 2 * c.num_layers * c.kv_heads * (c.d_model // c.num_heads) * _size(dt), "head dim"),
+        (lambda c, dt: 16 * c.num_layers * c.kv_heads * c.dim_per_head * _size(dt), "bits"),
+        (lambda c, dt: 2 * c.num_layers * c.kv_heads * c.dim_per_head, "bytes per element"),
+        (lambda c, dt: "lots", "number of bytes"),
+    ],
+)
+def test_kv_bytes_per_token_rejects_typical_mistakes(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks.kv_bytes_per_token(wrong)
+
+
+# ----------------------------------------------------------------------------- online_softmax_update
+def test_online_softmax_update_accepts_reference(capsys):
+    checks.online_softmax_update(attention.online_softmax_update)
+    assert "online_softmax_update" in capsys.readouterr().out
+
+
+def _no_acc_rescale(m, s, acc, scores, values):
+    new_m = torch.maximum(m, scores.amax(-1))
+    p = torch.exp(scores - new_m[..., None])
+    return new_m, s * torch.exp(m - new_m) + p.sum(-1), acc + p @ values
+
+
+def _no_sum_rescale(m, s, acc, scores, values):
+    new_m = torch.maximum(m, scores.amax(-1))
+    p = torch.exp(scores - new_m[..., None])
+    return new_m, s + p.sum(-1), acc * torch.exp(m - new_m)[..., None] + p @ values
+
+
+def _block_max_only(m, s, acc, scores, values):
+    new_m = scores.amax(-1)
+    p = torch.exp(scores - new_m[..., None])
+    c = torch.exp(m - new_m)
+    return new_m, s * c + p.sum(-1), acc * c[..., None] + p @ values
+
+
+def _unshifted(m, s, acc, scores, values):
+    new_m = torch.maximum(m, scores.amax(-1))
+    return new_m, s + torch.exp(scores).sum(-1), acc + torch.exp(scores) @ values
+
+
+def _normalised_each_block(m, s, acc, scores, values):
+    new_m, new_s, new_acc = attention.online_softmax_update(m, s, acc, scores, values)
+    return new_m, new_s, new_acc / new_s[..., None]
+
+
+@pytest.mark.parametrize(
+    "wrong,hint",
+    [
+        (_no_acc_rescale, "rescale the old acc"),
+        (_no_sum_rescale, "rescale the old sum"),
+        (_block_max_only, "new max is max"),
+        (_unshifted, "overflow|rescale"),
+        (_normalised_each_block, "rescale the old acc"),
+        (lambda m, s, acc, scores, values: (m, s), "all three"),
+    ],
+)
+def test_online_softmax_update_rejects_typical_mistakes(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks.online_softmax_update(wrong)
