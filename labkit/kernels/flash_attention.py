@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from labkit.kernels.rmsnorm import check_kernel_tensor
+from labkit.kernels._common import check_kernel_tensor
 from labkit.runtime import triton_mode
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E); the kernels inline it as a literal

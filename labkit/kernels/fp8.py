@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from labkit.kernels.rmsnorm import check_kernel_tensor
+from labkit.kernels._common import check_kernel_tensor
 from labkit.precision import FloatFormat, encode, get_format
 from labkit.runtime import triton_mode
 

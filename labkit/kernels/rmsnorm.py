@@ -19,9 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from labkit.runtime import triton_mode
-
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from labkit.kernels._common import as_rows, check_kernel_tensor
 # A row lives in registers as one block; beyond this the registers spill (use a looped kernel).
 MAX_FUSED_SIZE = 65536
 
@@ -90,20 +88,6 @@ def _rmsnorm_backward_kernel(
 
 
 # ----------------------------------------------------------------------------- launchers
-def check_kernel_tensor(name: str, t, dtypes=SUPPORTED_DTYPES) -> None:
-    """Raise TypeError/ValueError unless ``t`` is a tensor of a supported dtype on a device
-    the kernels can run on (CUDA when compiled, CPU under the interpreter)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-    mode = triton_mode()
-    if mode == "compiled" and t.device.type != "cuda":
-        raise ValueError(f"{name}: Triton compiles for the GPU here, so the tensor must be on cuda, got {t.device}")
-    if mode == "interpreter" and t.device.type != "cpu":
-        raise ValueError(f"{name}: Triton's interpreter runs on the CPU, so the tensor must be on cpu, got {t.device}")
-
-
 def launch_settings(n_cols: int) -> tuple[int, int]:
     """``(BLOCK_SIZE, num_warps)`` for a kernel that holds one row of ``n_cols`` in registers."""
     if n_cols < 1:
@@ -113,12 +97,6 @@ def launch_settings(n_cols: int) -> tuple[int, int]:
         raise ValueError(f"x: last dim {n_cols} exceeds the fused kernel's maximum of {MAX_FUSED_SIZE} features")
     num_warps = 32 if block >= 32768 else 16 if block >= 8192 else 8 if block >= 2048 else 4
     return block, num_warps
-
-
-def as_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a 2-D ``[rows, last_dim]`` view whose last dim is contiguous (copying only if needed)."""
-    rows = t.reshape(-1, t.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def _num_programs(device: torch.device, n_rows: int) -> int:

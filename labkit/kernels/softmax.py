@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from labkit.kernels.rmsnorm import as_rows, check_kernel_tensor
+from labkit.kernels._common import as_rows, check_kernel_tensor
 
 # Longest row held in registers at once; longer rows are swept in blocks of this size.
 MAX_BLOCK_SIZE = 16384

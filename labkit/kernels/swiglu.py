@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from labkit.kernels.rmsnorm import check_kernel_tensor
+from labkit.kernels._common import check_kernel_tensor
 
 # The interpreter runs programs one after another, so it gets few, large blocks; a GPU gets
 # many small ones to fill its SMs.
