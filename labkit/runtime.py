@@ -31,6 +31,8 @@ def _requested_device() -> str | None:
 
 
 def triton_installed() -> bool:
+    if "triton" in sys.modules:  # imported already (None marks an import that is blocked)
+        return sys.modules["triton"] is not None
     return importlib.util.find_spec("triton") is not None
 
 
@@ -50,7 +52,7 @@ def configure_triton() -> None:
     """
     if not needs_interpreter():
         return
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    if sys.modules.get("triton") is not None and os.environ.get("TRITON_INTERPRET") != "1":
         raise TritonImportOrderError(
             "triton was imported before labkit on a machine without a usable GPU, so its kernels "
             "were set up for compilation instead of Triton's CPU interpreter. Restart the kernel "

@@ -63,3 +63,23 @@ def test_importing_triton_first_gives_clear_error():
 def test_triton_first_is_fine_when_interpreter_already_on():
     result = _run("import triton; import labkit; print('ok')", TRITON_INTERPRET="1")
     assert result.returncode == 0 and "ok" in result.stdout
+
+
+def test_without_triton_everything_but_the_kernels_works(tmp_path):
+    # a platform without Triton wheels (macOS, Windows), simulated by blocking the import
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['triton'] = None\n")
+    code = (
+        "import labkit, torch\n"
+        "from labkit.model import TransformerLM, tiny_config\n"
+        "ok, reason = labkit.kernels.available()\n"
+        "assert not ok and 'PyTorch reference' in reason, reason\n"
+        "model = TransformerLM(tiny_config(15, use_triton=True))  # falls back to the PyTorch path\n"
+        "assert model(torch.randint(0, 15, (2, 5))).shape == (2, 5, 15)\n"
+        "try:\n"
+        "    labkit.kernels.rmsnorm\n"
+        "except ImportError as err:\n"
+        "    print('ImportError:', err)\n"
+    )
+    result = _run(code, PYTHONPATH=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "ImportError: labkit.kernels.rmsnorm: Triton is not installed" in result.stdout
