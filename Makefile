@@ -7,6 +7,8 @@ TORCH_SPEC ?= torch>=2.4
 JOBS       ?= 2
 PORT       ?= 8888
 BIN        := $(VENV)/bin
+# Jupyter refuses to run as root unless told to (containers and cloud VMs often log in as root).
+LAB_FLAGS  ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: lab test unit notebooks clean-venv
 
@@ -25,7 +27,7 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 
 ## Open JupyterLab on the chapter notebooks (only reachable from this machine).
 lab: $(VENV)/.installed-lab
-	$(BIN)/jupyter lab --ip=127.0.0.1 --port=$(PORT) --notebook-dir=notebooks
+	$(BIN)/jupyter lab --ip=127.0.0.1 --port=$(PORT) --notebook-dir=notebooks $(LAB_FLAGS)
 
 ## Unit tests + every notebook under nbval, on the CPU so results match the stored outputs.
 ## One thread per pytest worker: JOBS workers share the cores instead of oversubscribing them.
