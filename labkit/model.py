@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from labkit.nn import GLU, Embedding, LayerNorm, Linear, MultiHeadSelfAttention, RMSNorm, RoPE
+from labkit.nn import GLU, Embedding, Linear, MultiHeadSelfAttention, RoPE
+from labkit.nn import make_norm as norm_layer
 
-NORMS = ("rmsnorm", "layernorm", "none")
+NORMS = ("rmsnorm", "layernorm", "none")  # BatchNorm mixes tokens of a batch: not offered for the LM
 
 
 @dataclass
@@ -60,11 +61,7 @@ class ModelConfig:
 
 
 def make_norm(config: ModelConfig, device=None, dtype=None) -> nn.Module:
-    if config.norm == "rmsnorm":
-        return RMSNorm(config.d_model, config.norm_eps, device=device, dtype=dtype, use_triton=config.use_triton)
-    if config.norm == "layernorm":
-        return LayerNorm(config.d_model, config.norm_eps, device=device, dtype=dtype)
-    return nn.Identity()
+    return norm_layer(config.norm, config.d_model, config.norm_eps, device, dtype, use_triton=config.use_triton)
 
 
 class TransformerBlock(nn.Module):

@@ -249,6 +249,22 @@ class RoPE(nn.Module):
         return f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}"
 
 
+NORMS = ("none", "batchnorm", "layernorm", "rmsnorm")
+
+
+def make_norm(kind: str, num_features: int, eps: float = 1e-5, device=None, dtype=None, use_triton: bool = False) -> nn.Module:
+    """A fresh normalization layer of ``kind`` (one of :data:`NORMS`; ``"none"`` is the identity)."""
+    if kind == "none":
+        return nn.Identity()
+    if kind == "batchnorm":
+        return BatchNorm(num_features, eps, device=device, dtype=dtype)
+    if kind == "layernorm":
+        return LayerNorm(num_features, eps, device=device, dtype=dtype)
+    if kind == "rmsnorm":
+        return RMSNorm(num_features, eps, device=device, dtype=dtype, use_triton=use_triton)
+    raise ValueError(f"kind={kind!r}: expected one of {NORMS}")
+
+
 # ----------------------------------------------------------------------------- attention
 def scaled_dot_product_attention(
     Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor | None = None

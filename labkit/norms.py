@@ -19,24 +19,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from labkit.model import TransformerBlock, TransformerLM, tiny_config
-from labkit.nn import ACTIVATIONS, GLU, BatchNorm, LayerNorm, Linear, RMSNorm, gelu
+from labkit.nn import ACTIVATIONS, GLU, NORMS, Linear, RMSNorm, gelu, make_norm  # noqa: F401 (NORMS: the chapter lists norms.NORMS)
 from labkit.train import TrainConfig, cross_entropy, train
 
-NORMS = ("none", "batchnorm", "layernorm", "rmsnorm")
 DISTRIBUTIONS = ("gaussian", "outlier features", "token scales", "feature offsets")
-
-
-def make_norm(kind: str, num_features: int) -> nn.Module:
-    """A fresh normalization layer of ``kind`` (one of :data:`NORMS`; ``"none"`` is the identity)."""
-    if kind == "none":
-        return nn.Identity()
-    if kind == "batchnorm":
-        return BatchNorm(num_features)
-    if kind == "layernorm":
-        return LayerNorm(num_features)
-    if kind == "rmsnorm":
-        return RMSNorm(num_features)
-    raise ValueError(f"kind={kind!r}: expected one of {NORMS}")
 
 
 # ----------------------------------------------------------------------------- which axis
