@@ -10,7 +10,7 @@ BIN        := $(VENV)/bin
 # Jupyter refuses to run as root unless told to (containers and cloud VMs often log in as root).
 LAB_FLAGS  ?= $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test unit notebooks clean-venv
+.PHONY: lab test unit notebooks student clean-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,10 @@ notebooks: $(VENV)/.installed-test
 		LABKIT_DEVICE=cpu OMP_NUM_THREADS=1 $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
 			--ExecutePreprocessor.timeout=300 "$$nb" || exit 1; \
 	done
+
+## Student versions for a class: solutions removed, outputs cleared, written to student/.
+student: $(VENV)/.installed-lab
+	$(BIN)/python -m labkit.student --out student
 
 clean-venv:
 	rm -rf $(VENV)
