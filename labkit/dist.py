@@ -520,12 +520,13 @@ def plot_collectives(results: dict):
     for ax, name in zip(axes, COLLECTIVES):
         for row, rank in enumerate(ranks):
             for col, tensor in enumerate(results[rank][name]):
-                values = [] if tensor is None else tensor.reshape(-1).tolist()
-                x0 = col * 5.5
-                for i, v in enumerate(values[:8]):
-                    x = x0 + i * (4.5 / max(len(values[:8]), 1))
-                    ax.add_patch(plt.Rectangle((x, -row), 4.5 / max(len(values[:8]), 1), 0.8, color=plt.cm.tab10(int(v // 10) % 10), ec="white"))
-                    ax.text(x + 2.25 / max(len(values[:8]), 1), -row + 0.4, f"{v:g}", ha="center", va="center", fontsize=6, color="white")
+                values = [] if tensor is None else tensor.reshape(-1).tolist()[:8]
+                x0, width = col * 5.5, 4.5 / max(len(values), 1)
+                fontsize = 6 if len(values) <= 4 else 4  # narrower cells (all_gather, reduce_scatter): smaller labels
+                for i, v in enumerate(values):
+                    x = x0 + i * width
+                    ax.add_patch(plt.Rectangle((x, -row), width, 0.8, color=plt.cm.tab10(int(v // 10) % 10), ec="white"))
+                    ax.text(x + width / 2, -row + 0.4, f"{v:g}", ha="center", va="center", fontsize=fontsize, color="white")
                 if tensor is None:
                     ax.text(x0 + 2.25, -row + 0.4, "undefined", ha="center", va="center", fontsize=7, color="gray")
             ax.text(-0.3, -row + 0.4, f"rank {rank}", ha="right", va="center", fontsize=8)
@@ -534,5 +535,6 @@ def plot_collectives(results: dict):
         ax.set_ylim(-len(ranks) + 0.6, 1.3)
         ax.set_title(name, fontsize=10)
         ax.axis("off")
+    fig.suptitle("each rank's tensor before (left) and after (right) the collective; colour = the value's tens digit", fontsize=9)
     fig.tight_layout()
     return fig

@@ -67,6 +67,23 @@ def test_collectives_match_their_definitions(demos):
     assert not torch.equal(inputs[0], inputs[1])
 
 
+def test_collective_table_and_diagram_show_each_rank(demos):
+    import matplotlib.pyplot as plt
+
+    from labkit.dist import COLLECTIVES, collective_table, plot_collectives
+
+    results = {r: demos[r]["collectives"] for r in (0, 1)}
+    assert collective_table(results, "reduce").splitlines() == [
+        "reduce:", "  rank 0: [10 11 12]                         -> [30 32 34]",
+        "  rank 1: [20 21 22]                         -> (undefined)"]
+    assert "| [120 121 122]" in collective_table(results, "reduce_scatter")
+    with pytest.raises(ValueError, match="name"):
+        collective_table(results, "all_to_all")
+    fig = plot_collectives(results)
+    assert [ax.get_title() for ax in fig.axes] == list(COLLECTIVES)
+    plt.close(fig)
+
+
 def test_ring_all_reduce_equals_all_reduce(demos):
     for r in (0, 1):
         out = demos[r]["ring_vs_all_reduce"]
