@@ -358,17 +358,25 @@ def activation_explorer_view(name: str = "silu", up: float = 1.0):
     ax.plot(a, slope, "--", label=f"{name}'(a)")
     ax.plot(a, value * up, ":", label=f"{name}(a) * b,  b = {up:g}")
     ax.axhline(0, color="gray", lw=0.5)
-    ax.set(xlabel="a (gate pre-activation)", ylim=(-2, 5))
+    ax.set(xlabel="a (gate pre-activation)", ylim=(-2, 5), title=f"{name}: value, slope and GLU output")
     ax.legend()
     fig.tight_layout()
     return curves, fig
 
 
-def format_table(table: dict[str, dict[str, float]], digits: int = 3) -> str:
-    """Rows of a ``{row: {column: value}}`` table as aligned text with rounded numbers."""
+def format_table(table: dict[str, dict[str, float]], digits: int = 3, tiny: float = 1e-6) -> str:
+    """Rows of a ``{row: {column: value}}`` table as aligned text with rounded numbers.
+
+    Magnitudes below ``tiny`` print as ``<tiny``: they are the rounding noise of a quantity that
+    is 0 in exact arithmetic (a normalized mean), and their digits depend on the summation order.
+    """
     columns = list(next(iter(table.values())))
     width = max(len(r) for r in table)
+
+    def cell(value: float) -> str:
+        return f"{'<' + format(tiny, 'g'):>18}" if abs(value) < tiny else f"{value:>18.{digits}g}"
+
     lines = [" " * width + "  " + "  ".join(f"{c:>18}" for c in columns)]
     for row, values in table.items():
-        lines.append(f"{row:>{width}}  " + "  ".join(f"{values[c]:>18.{digits}g}" for c in columns))
+        lines.append(f"{row:>{width}}  " + "  ".join(cell(values[c]) for c in columns))
     return "\n".join(lines)

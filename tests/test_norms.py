@@ -253,6 +253,14 @@ def test_norm_explorer_view_reports_the_norms_statistics():
     assert "rmsnorm" in norms.format_table(table)
 
 
+def test_format_table_rounds_and_hides_rounding_noise():
+    text = norms.format_table({"a": {"x": 1.23456, "y": 5.96e-08, "z": -2e-7, "w": 0.0}, "bb": {"x": 1e-6, "y": -3.0, "z": 1.0, "w": 2.0}})
+    header, first, second = text.splitlines()
+    assert header.split() == ["x", "y", "z", "w"]
+    assert first.split() == ["a", "1.23", "<1e-06", "<1e-06", "<1e-06"]
+    assert second.split() == ["bb", "1e-06", "-3", "1", "2"]
+
+
 def test_activation_explorer_view_glu_is_gate_times_b():
     import matplotlib
 

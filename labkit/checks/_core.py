@@ -19,6 +19,8 @@ def call(fn, tried: str, *args, hint: str = "run that call yourself and read the
     except CheckFailed:
         raise
     except Exception as err:  # the learner's code may raise anything
+        if isinstance(err, NotImplementedError):
+            hint = "write your answer in place of the `raise NotImplementedError(...)` line, then run the cell again"
         raise CheckFailed(f"\n  tried:    {tried}\n  raised:   {type(err).__name__}: {err}\n  hint:     {hint}") from err
 
 

@@ -65,7 +65,7 @@ def reduction_dims(fn) -> None:
 
 def rmsnorm_backward(fn) -> None:
     """Grade ``fn(x, weight, dy, eps)`` -> ``(dx, dweight)``, the gradients of
-    ``(rmsnorm(x, weight, eps) * dy).sum()``, in fp32 inputs' dtype."""
+    ``(rmsnorm(x, weight, eps) * dy).sum()``, tried on fp32 inputs."""
     gen = torch.Generator().manual_seed(1)
     for shape, eps in [((3, 8), 1e-5), ((2, 4, 16), 1e-2), ((5, 1), 1e-5)]:
         x = torch.randn(shape, generator=gen) * 2 + 0.5
