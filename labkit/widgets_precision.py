@@ -32,6 +32,7 @@ def draw_bit_layouts(formats=None):
     ax.set_xlim(-7, 46)
     ax.set_ylim(0, len(formats))
     ax.axis("off")
+    ax.set_title("Bit layouts: the exponent buys range, the mantissa precision", loc="left", fontsize=10)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in FIELD_COLORS.values()]
     ax.legend(handles, list(FIELD_COLORS), loc="upper right", ncol=3, fontsize=8, frameon=False, bbox_to_anchor=(1.0, 1.12))
     fig.tight_layout()
@@ -99,6 +100,7 @@ def plot_gradient_magnitudes(grads: torch.Tensor, fmt: str = "fp16", scales=(1.0
     ax.axvline(math.log2(fmt.max), color="r", ls="--", lw=1)
     ax.set_xlabel(f"log2 |gradient x scale|  (dashed: {fmt.name} min subnormal / max, dotted: min normal)")
     ax.set_ylabel("count")
+    ax.set_title(f"Gradient magnitudes against {fmt.name}'s range, with and without loss scaling")
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

@@ -142,3 +142,15 @@ def test_amax_scale_accepts_right_answers(capsys):
 def test_amax_scale_rejects_typical_mistakes(mistake, hint):
     with pytest.raises(CheckFailed, match=hint):
         checks.amax_scale(lambda x, fmt, margin=0: scale_by_hand(x, fmt, margin, **mistake))
+
+
+# ----------------------------------------------------------------------------- unfinished answers
+@pytest.mark.parametrize("grader, unfinished", [
+    (checks.decode_e4m3, lambda code: None),
+    (checks.format_range, lambda fmt: None),
+    (checks.update_scale, lambda scale, growth_tracker, found_inf, **kwargs: None),
+    (checks.amax_scale, lambda x, fmt, margin=0: None),
+])
+def test_a_function_that_returns_nothing_gets_a_hint_to_return(grader, unfinished):
+    with pytest.raises(CheckFailed, match="returned None"):
+        grader(unfinished)

@@ -12,7 +12,12 @@ from labkit.checks._core import call, fail, passed
 __all__ = ["decode_e4m3", "format_range", "update_scale", "amax_scale"]
 
 
+NO_RETURN_HINT = "your function returned None: replace the placeholder with your code and `return` the result"
+
+
 def _number(value, tried: str) -> float:
+    if value is None:
+        fail(tried, None, "a Python number", NO_RETURN_HINT)
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -79,7 +84,7 @@ def format_range(fn) -> None:
         tried = f"fn(FloatFormat({fmt.name!r}, exponent_bits={fmt.exponent_bits}, mantissa_bits={fmt.mantissa_bits}, bias={fmt.bias}, specials={fmt.specials!r}))"
         result = call(fn, tried, fmt)
         if not isinstance(result, (tuple, list)) or len(result) != 3:
-            fail(tried, repr(result), "a tuple (max, min_normal, min_subnormal)", "return three numbers")
+            fail(tried, repr(result), "a tuple (max, min_normal, min_subnormal)", NO_RETURN_HINT if result is None else "return three numbers")
         got = [_number(v, tried) for v in result]
         for name, g, e, hint in (
             ("max", got[0], fmt.max, hints[fmt.specials]),
@@ -129,7 +134,8 @@ def update_scale(fn) -> None:
 def _check_decision(fn, args, kwargs, tried, hint):
     result = call(fn, tried, *args, **kwargs)
     if not isinstance(result, (tuple, list)) or len(result) != 2:
-        fail(tried, repr(result), "a tuple (new_scale, new_growth_tracker)", "return both the scale and the counter")
+        fail(tried, repr(result), "a tuple (new_scale, new_growth_tracker)",
+             NO_RETURN_HINT if result is None else "return both the scale and the counter")
     expected = P.update_scale(*args, **kwargs)
     got = (_number(result[0], tried), result[1])
     if not _same(got[0], expected[0]) or got[1] != expected[1]:
