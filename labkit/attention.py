@@ -1,17 +1,20 @@
 """Attention as a serving system sees it (chapter 03): FlashAttention's online softmax written
-with plain torch tiles, the KV cache and what it costs in memory and time, and the functions
-behind the chapter's widgets.
+with plain torch tiles, the KV cache and what it costs in memory and time, turning a trained MHA
+model into GQA/MQA (mean-pooled K/V heads, then uptraining), and the functions behind the
+chapter's widgets.
 """
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from labkit.model import PRESETS, ModelConfig, count_parameters, generate
+from labkit.data import ArithmeticTask
+from labkit.model import PRESETS, ModelConfig, TransformerLM, count_parameters, generate
 from labkit.nn import causal_mask, scaled_dot_product_attention
+from labkit.train import TrainConfig, estimate_loss, train
 
 
 class KVCache:
@@ -277,6 +280,109 @@ def kv_calculator(
         kv_bytes_per_token=kv_bytes_per_token(config, kv_dtype),
         gpu_bytes=int(gpu_gb * 1e9),
     )
+
+
+# ----------------------------------------------------------------------------- MHA -> GQA/MQA by uptraining
+@torch.no_grad()
+def convert_kv_heads(model: TransformerLM, num_kv_heads: int) -> TransformerLM:
+    """A copy of ``model`` with ``num_kv_heads`` K/V heads, made the way the GQA paper (Ainslie
+    et al., 2023) turns a multi-head checkpoint into GQA/MQA: the key and value projection heads
+    of each group are replaced by their mean; every other weight is copied unchanged.
+
+    Query head ``h`` reads K/V head ``h // (num_heads // num_kv_heads)``
+    (:class:`labkit.nn.MultiHeadSelfAttention`), so new K/V head ``j`` is the mean of the old
+    heads that served query heads ``j * group .. (j + 1) * group - 1``. The source may itself
+    be grouped; ``num_kv_heads`` must then divide its K/V head count. The copy is on the same
+    device and dtype, in the same train/eval mode, and shares no tensor with ``model``.
+    """
+    if not isinstance(model, TransformerLM):
+        raise TypeError(f"model: expected a labkit.model.TransformerLM, got {type(model).__name__}")
+    old_kv_heads = model.config.kv_heads
+    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads <= 0:
+        raise ValueError(f"num_kv_heads={num_kv_heads!r}: expected a positive integer")
+    if old_kv_heads % num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads={num_kv_heads}: must divide the model's {old_kv_heads} K/V heads "
+            f"(each new head is the mean of a whole group of old ones)"
+        )
+    pooled = old_kv_heads // num_kv_heads
+    head_dim = model.config.dim_per_head
+    weight = model.token_embeddings.weight
+    converted = TransformerLM(replace(model.config, num_kv_heads=num_kv_heads), device=weight.device, dtype=weight.dtype)
+    state = model.state_dict()
+    for name, tensor in state.items():
+        if name.endswith(("attn.k_proj.weight", "attn.v_proj.weight")):
+            # rows are [kv_head, head_dim]; average each run of `pooled` consecutive heads
+            d_in = tensor.shape[-1]
+            state[name] = tensor.reshape(num_kv_heads, pooled, head_dim, d_in).mean(dim=1).reshape(num_kv_heads * head_dim, d_in)
+    converted.load_state_dict(state)
+    return converted.train(model.training)
+
+
+@dataclass
+class UptrainingResult:
+    """One row of :func:`convert_and_uptrain`: a variant right after conversion and after uptraining."""
+
+    name: str
+    num_kv_heads: int
+    num_params: int
+    kv_bytes_per_token: int  # in the model's dtype
+    converted_loss: float
+    converted_accuracy: float
+    uptrained_loss: float
+    uptrained_accuracy: float
+    model: TransformerLM = field(repr=False)  # the uptrained model
+
+
+def convert_and_uptrain(model: TransformerLM, task: ArithmeticTask, config: TrainConfig, variants: dict[str, int], seed: int = 0) -> list[UptrainingResult]:
+    """The GQA paper's recipe on a trained model: for each ``name -> num_kv_heads`` in ``variants``,
+    :func:`convert_kv_heads`, measure, uptrain the converted model with :func:`labkit.train.train` for
+    ``config.steps`` steps, and measure again.
+
+    Loss is :func:`labkit.train.estimate_loss` on the task's validation tokens (``config``'s
+    ``eval_batches`` batches, always the same windows); accuracy is exact match of greedy
+    answers on the validation split. Every variant trains on the same batches (the global RNG is
+    seeded with ``seed`` before each), so the rows differ only in their K/V heads. ``model`` is
+    not modified.
+    """
+    if not isinstance(model, TransformerLM):
+        raise TypeError(f"model: expected a labkit.model.TransformerLM, got {type(model).__name__}")
+    if not isinstance(task, ArithmeticTask):
+        raise TypeError(f"task: expected a labkit.data.ArithmeticTask, got {type(task).__name__}")
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config: expected a labkit.train.TrainConfig, got {type(config).__name__}")
+    if not isinstance(variants, dict) or not variants:
+        raise ValueError(f"variants={variants!r}: expected a non-empty dict of name -> num_kv_heads")
+    device = model.token_embeddings.weight.device
+    train_tokens, val_tokens = task.tokens("train"), task.tokens("val")
+
+    def measure(m: TransformerLM) -> tuple[float, float]:
+        return estimate_loss(m, val_tokens, config, device), task.evaluate(m, "val")
+
+    results = []
+    for name, num_kv_heads in variants.items():
+        converted = convert_kv_heads(model, num_kv_heads)
+        converted_loss, converted_accuracy = measure(converted)
+        torch.manual_seed(seed)
+        train(converted, train_tokens, None, config, progress=False)
+        converted.eval()
+        uptrained_loss, uptrained_accuracy = measure(converted)
+        results.append(UptrainingResult(
+            name=name, num_kv_heads=num_kv_heads, num_params=converted.num_params(),
+            kv_bytes_per_token=kv_bytes_per_token(converted.config, converted.token_embeddings.weight.dtype),
+            converted_loss=converted_loss, converted_accuracy=converted_accuracy,
+            uptrained_loss=uptrained_loss, uptrained_accuracy=uptrained_accuracy, model=converted,
+        ))
+    return results
+
+
+def uptraining_table(results: list[UptrainingResult]) -> str:
+    """:func:`convert_and_uptrain`'s rows as a fixed-width text table (loss to 3 decimals, accuracy to 0.1%)."""
+    lines = [f"{'':4} {'KV heads':>8} {'params':>8} {'KV bytes/token':>14} | {'converted: loss':>15} {'accuracy':>8} | {'uptrained: loss':>15} {'accuracy':>8}"]
+    for r in results:
+        lines.append(f"{r.name:4} {r.num_kv_heads:8d} {r.num_params:8,d} {r.kv_bytes_per_token:14,d} | {r.converted_loss:15.3f} "
+                     f"{r.converted_accuracy:8.1%} | {r.uptrained_loss:15.3f} {r.uptrained_accuracy:8.1%}")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- decode speed

@@ -1,5 +1,5 @@
-"""labkit.attention: the torch FlashAttention, the KV cache and its calculators, decode timing,
-the attention explorer."""
+"""labkit.attention: the torch FlashAttention, the KV cache and its calculators, MHA -> GQA/MQA
+conversion and uptraining, decode timing, the attention explorer."""
 import math
 
 import labkit  # noqa: F401
@@ -9,9 +9,12 @@ import torch.nn.functional as F
 
 from labkit.attention import (
     KVCache,
+    UptrainingResult,
     attention_explorer,
     attention_map,
     bytes_per_element,
+    convert_and_uptrain,
+    convert_kv_heads,
     decode_speed,
     flash_attention_torch,
     kv_bytes_per_token,
@@ -22,11 +25,14 @@ from labkit.attention import (
     plain_attention,
     prefill_and_decode_times,
     saved_for_backward_bytes,
+    uptraining_table,
     with_kv_heads,
 )
 from labkit.data import ArithmeticTask
 from labkit.model import PRESETS, TransformerLM, generate, tiny_config
+from labkit.pretrained import adder_task, load_tiny_adder
 from labkit.runtime import triton_mode
+from labkit.train import TrainConfig, estimate_loss, train
 
 
 def sdpa64(q, k, v, causal):
@@ -163,6 +169,128 @@ def test_kv_calculator_weights_cache_and_fit():
         kv_calculator("llama3-8b", attention="mla")
     with pytest.raises(ValueError, match="config"):
         kv_calculator("gpt-5")
+
+
+# ----------------------------------------------------------------------------- MHA -> GQA/MQA conversion
+def _kv_weights(model):
+    return [(layer.attn.k_proj.weight, layer.attn.v_proj.weight) for layer in model.layers]
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(qk_norm=True, tie_embeddings=True)])
+def test_convert_kv_heads_to_the_same_count_is_the_identity_and_a_copy(overrides):
+    torch.manual_seed(0)
+    model = TransformerLM(tiny_config(15, **overrides)).eval()
+    ids = torch.randint(0, 15, (2, 11))
+    same = convert_kv_heads(model, 4)
+    assert not same.training and same.config.kv_heads == 4
+    with torch.no_grad():
+        assert torch.equal(same(ids), model(ids))
+        same.layers[0].attn.k_proj.weight.add_(1.0)  # shares no tensor with the original
+        assert not torch.equal(same(ids), model(ids))
+    assert convert_kv_heads(model.train(), 2).training
+
+
+def test_convert_kv_heads_averages_each_groups_heads():
+    torch.manual_seed(1)
+    model = TransformerLM(tiny_config(15))
+    head_dim = model.config.dim_per_head
+    for kv_heads in (2, 1):
+        group = 4 // kv_heads
+        for (k_old, v_old), (k_new, v_new) in zip(_kv_weights(model), _kv_weights(convert_kv_heads(model, kv_heads))):
+            for old, new in ((k_old, k_new), (v_old, v_new)):
+                for j in range(kv_heads):
+                    heads = [old[h * head_dim:(h + 1) * head_dim] for h in range(j * group, (j + 1) * group)]
+                    torch.testing.assert_close(new[j * head_dim:(j + 1) * head_dim], sum(heads) / group)
+    # pooling in two stages (MHA -> GQA-2 -> MQA) equals pooling at once: groups have equal sizes
+    for pair_a, pair_b in zip(_kv_weights(convert_kv_heads(convert_kv_heads(model, 2), 1)), _kv_weights(convert_kv_heads(model, 1))):
+        for a, b in zip(pair_a, pair_b):
+            torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_convert_kv_heads_keeps_the_logits_when_each_groups_heads_are_identical(kv_heads):
+    torch.manual_seed(2)
+    model = TransformerLM(tiny_config(15)).eval()
+    head_dim, group = model.config.dim_per_head, 4 // kv_heads
+    ids = torch.randint(0, 15, (3, 13))
+    with torch.no_grad():
+        # with distinct heads, pooling changes the model (which is why it must be uptrained)
+        assert not torch.allclose(convert_kv_heads(model, kv_heads)(ids), model(ids), atol=1e-3)
+        for weights in _kv_weights(model):
+            for w in weights:  # every query head of a group reads a copy of the group's first K/V head
+                for h in range(4):
+                    first = (h // group) * group
+                    w[h * head_dim:(h + 1) * head_dim] = w[first * head_dim:(first + 1) * head_dim]
+        torch.testing.assert_close(convert_kv_heads(model, kv_heads)(ids), model(ids), atol=1e-5, rtol=1e-5)
+
+
+def test_convert_kv_heads_shrinks_parameters_and_kv_cache():
+    model = TransformerLM(tiny_config(15))
+    cfg = model.config
+    for kv_heads in (2, 1):
+        converted = convert_kv_heads(model, kv_heads)
+        dropped_rows = 2 * (4 - kv_heads) * cfg.dim_per_head  # K and V rows that went away, per layer
+        assert model.num_params() - converted.num_params() == cfg.num_layers * dropped_rows * cfg.d_model
+        assert kv_bytes_per_token(converted.config, torch.float32) == 2 * cfg.num_layers * kv_heads * cfg.dim_per_head * 4
+        assert KVCache.for_model(converted, 1, 8).nbytes * 4 // kv_heads == KVCache.for_model(model, 1, 8).nbytes
+
+
+def test_convert_kv_heads_rejects_bad_arguments():
+    model = TransformerLM(tiny_config(15))
+    for bad in (3, 8, 0, -2, 2.0, True, None):
+        with pytest.raises(ValueError, match="num_kv_heads"):
+            convert_kv_heads(model, bad)
+    with pytest.raises(ValueError, match="must divide the model's 2 K/V heads"):
+        convert_kv_heads(convert_kv_heads(model, 2), 4)
+    with pytest.raises(TypeError, match="TransformerLM"):
+        convert_kv_heads(model.layers[0].attn, 2)
+
+
+def test_convert_and_uptrain_measures_before_and_after_the_papers_recipe():
+    model, _ = load_tiny_adder()
+    task = adder_task()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    config = TrainConfig(steps=3, batch_size=4, context_length=20, warmup_iters=1, eval_batches=2)
+    rows = convert_and_uptrain(model, task, config, {"MHA": 4, "MQA": 1}, seed=5)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the source model is left alone
+    mha, mqa = rows
+    assert (mha.name, mha.num_kv_heads, mqa.name, mqa.num_kv_heads) == ("MHA", 4, "MQA", 1)
+    val = task.tokens("val")
+    # MHA "conversion" is the identity: its numbers before uptraining are the shipped model's
+    assert mha.converted_loss == estimate_loss(model, val, config, "cpu")
+    assert mha.converted_accuracy == task.evaluate(model, "val") > 0.99
+    assert mqa.converted_loss == estimate_loss(convert_kv_heads(model, 1), val, config, "cpu")
+    assert (mha.num_params, mqa.num_params) == (model.num_params(), convert_kv_heads(model, 1).num_params())
+    assert (mha.kv_bytes_per_token, mqa.kv_bytes_per_token) == (2 * 2 * 4 * 16 * 4, 2 * 2 * 1 * 16 * 4)
+    # uptraining = labkit.train.train from the converted weights with the global RNG seeded
+    reference = convert_kv_heads(model, 1)
+    torch.manual_seed(5)
+    train(reference, task.tokens("train"), None, config, progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(), mqa.model.state_dict().values()))
+    for row in rows:
+        assert not row.model.training
+        assert row.uptrained_loss == estimate_loss(row.model, val, config, "cpu")
+        assert row.uptrained_accuracy == task.evaluate(row.model, "val")
+    with pytest.raises(TypeError, match="config"):
+        convert_and_uptrain(model, task, dict(steps=3), {"MHA": 4})
+    with pytest.raises(TypeError, match="task"):
+        convert_and_uptrain(model, "2-digit addition", config, {"MHA": 4})
+    with pytest.raises(TypeError, match="model"):
+        convert_and_uptrain(model.state_dict(), task, config, {"MHA": 4})
+    with pytest.raises(ValueError, match="variants"):
+        convert_and_uptrain(model, task, config, {})
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        convert_and_uptrain(model, task, config, {"GQA": 3})
+
+
+def test_uptraining_table_rounds_every_row():
+    model = TransformerLM(tiny_config(15))
+    rows = [
+        UptrainingResult("GQA", 2, 92864, 512, 3.83149, 0.00149, 1.04771, 0.91875, model),
+    ]
+    lines = uptraining_table(rows).splitlines()
+    assert len(lines) == 2 and "converted: loss" in lines[0] and "uptrained: loss" in lines[0]
+    assert lines[1].split() == ["GQA", "2", "92,864", "512", "|", "3.831", "0.1%", "|", "1.048", "91.9%"]
 
 
 # ----------------------------------------------------------------------------- cached generation
