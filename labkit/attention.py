@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from labkit.data import ArithmeticTask
+from labkit.memory import SavedTensorMeter
 from labkit.model import PRESETS, ModelConfig, TransformerLM, count_parameters, generate
 from labkit.nn import causal_mask, scaled_dot_product_attention
 from labkit.train import TrainConfig, estimate_loss, train
@@ -160,20 +161,17 @@ def plain_attention(q, k, v, causal: bool = False) -> torch.Tensor:
 
 
 def saved_for_backward_bytes(fn, *inputs) -> int:
-    """Bytes of the tensors autograd keeps for the backward pass of ``fn(*inputs)``, not
-    counting the inputs themselves (tensors that share storage are counted once)."""
-    input_storages = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in input_storages:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*inputs)
-    return sum(storages.values())
+    """Bytes of the tensors autograd keeps for the backward pass of ``fn(*inputs)``, measured with
+    :class:`labkit.memory.SavedTensorMeter` (each storage once; the inputs, leaf tensors that
+    require grad, are not counted)."""
+    for i, t in enumerate(inputs):
+        if isinstance(t, torch.Tensor) and not (t.is_leaf and t.requires_grad):
+            raise ValueError(f"inputs[{i}]: expected a leaf tensor with requires_grad=True (the meter leaves those out)")
+    with SavedTensorMeter() as meter:
+        output = fn(*inputs)  # keep the graph alive while reading the meter
+        held = meter.activation_bytes
+    del output
+    return held
 
 
 # ----------------------------------------------------------------------------- KV-cache memory

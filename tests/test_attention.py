@@ -378,3 +378,9 @@ def test_widgets_build():
     model = TransformerLM(tiny_config(task.vocab_size))
     assert attention_explorer_widget(model, task.tokenizer, "1+2=") is not None
     assert kv_calculator_widget() is not None
+
+
+def test_saved_for_backward_bytes_needs_leaf_inputs():
+    q = torch.randn(1, 1, 4, 8, requires_grad=True) * 2  # not a leaf: the meter would count it
+    with pytest.raises(ValueError, match="inputs\\[0\\]"):
+        saved_for_backward_bytes(lambda t: t.exp(), q)
