@@ -483,7 +483,7 @@ def attention_map(model, token_ids: torch.Tensor, layer: int = 0, head: int = 0,
 
 def attention_explorer(model, tokenizer, prompt: str, layer: int = 0, head: int = 0, causal: bool = True):
     """Callback of the attention-explorer widget: ``(weights [seq, seq], token labels)`` for a
-    text prompt (plot them with :func:`labkit.widgets_attention.plot_attention`)."""
+    text prompt (plot them with :func:`labkit.widgets.attention.plot_attention`)."""
     if not isinstance(prompt, str) or not prompt:
         raise ValueError(f"prompt={prompt!r}: expected a non-empty string")
     device = model.token_embeddings.weight.device

@@ -354,7 +354,7 @@ def test_widget_callbacks():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from labkit.widgets_attention import kv_calculator_report, plot_attention, show_attention
+    from labkit.widgets.attention import kv_calculator_report, plot_attention, show_attention
 
     task = ArithmeticTask()
     model = TransformerLM(tiny_config(task.vocab_size))
@@ -372,7 +372,7 @@ def test_widget_callbacks():
 
 
 def test_widgets_build():
-    from labkit.widgets_attention import attention_explorer_widget, kv_calculator_widget
+    from labkit.widgets.attention import attention_explorer_widget, kv_calculator_widget
 
     task = ArithmeticTask()
     model = TransformerLM(tiny_config(task.vocab_size))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from labkit.foundations import element_address, init_statistics, tensor_layout
-from labkit.widgets_foundations import show_init_statistics
+from labkit.widgets.foundations import show_init_statistics
 
 
 def test_tensor_layout_views_and_copies():

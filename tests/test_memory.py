@@ -255,7 +255,7 @@ def test_memory_calculator_callback():
 
     matplotlib.use("Agg")
     from labkit.model import PRESETS
-    from labkit.widgets_memory import memory_figure
+    from labkit.widgets.memory import memory_figure
 
     fig, breakdown, fits = memory_figure("llama2-70b", 1, 4096, "bf16 mixed (fp32 master)", "adamw", True, 3, 64, 80)
     expected = estimate_training_memory(PRESETS["llama2-70b"], 1, 4096, param_dtype="bf16", mixed_precision=True,

@@ -282,9 +282,9 @@ def test_deep_stack_view_runs_the_experiment():
 
 
 def test_widgets_build():
-    from labkit import widgets_norms
+    from labkit.widgets import norms as norm_widgets
 
-    for make in (widgets_norms.norm_explorer, widgets_norms.activation_explorer, widgets_norms.deep_stack_explorer):
+    for make in (norm_widgets.norm_explorer, norm_widgets.activation_explorer, norm_widgets.deep_stack_explorer):
         assert callable(make())
 
 

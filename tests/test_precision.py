@@ -417,7 +417,7 @@ def test_fp8_matmul_equals_torch_scaled_pipeline(fmt):
 # ----------------------------------------------------------------------------- widgets (callbacks are the functions above)
 def test_bit_explorer_round_trips_bits_values_and_formats():
     pytest.importorskip("ipywidgets")
-    from labkit import widgets_precision as W
+    from labkit.widgets import precision as W
 
     assert W.bits_of(0x7E, 8) == [False, True, True, True, True, True, True, False]
     assert W.code_of(W.bits_of(0x3C00, 16)) == 0x3C00
@@ -437,7 +437,7 @@ def test_cast_explorer_and_figures(capsys):
     import matplotlib
 
     matplotlib.use("Agg")
-    from labkit import widgets_precision as W
+    from labkit.widgets import precision as W
 
     W.print_cast_table(0.1, ["bf16", "fp4_e2m1"])
     out = capsys.readouterr().out
