@@ -3,7 +3,7 @@
 # (CUDA-enabled on Linux); CI, which has no GPU, passes a CPU build instead (see .ci/run).
 PYTHON     ?= python3
 VENV       ?= .venv
-TORCH_SPEC ?= torch>=2.4
+TORCH_SPEC ?= torch>=2.6
 JOBS       ?= 2
 PORT       ?= 8888
 BIN        := $(VENV)/bin
