@@ -25,6 +25,8 @@ def call(fn, tried: str, *args, hint: str = "run that call yourself and read the
 
 
 def as_tensor(value, tried: str) -> torch.Tensor:
+    if value is None:
+        fail(tried, "None", "a torch.Tensor", "your function returned None: did you forget `return`?")
     if not isinstance(value, torch.Tensor):
         fail(tried, f"a {type(value).__name__}", "a torch.Tensor", "return a tensor, not a Python number or list")
     return value
