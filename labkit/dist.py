@@ -191,9 +191,12 @@ def _tail(path: Path, lines: int = 25) -> str:
 
 def _rank_main() -> None:
     """Entry point of one rank (``python -c ... <run_dir> <rank>``)."""
+    import faulthandler
     import traceback
 
     import labkit  # noqa: F401  (sets up Triton's mode before anything imports it)
+
+    faulthandler.enable()  # a crash in C++ (abort, segfault) still shows the Python stack in the rank's stderr
 
     run, rank = Path(sys.argv[1]), int(sys.argv[2])
     spec = torch.load(run / "spec.pt", weights_only=False)
@@ -220,6 +223,13 @@ def _rank_main() -> None:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
+    # Leave without running C++ static destructors: at interpreter exit the gloo/TCPStore
+    # threads are sometimes still joinable, and their destructors then abort the process
+    # ("terminate called without an active exception", seen in ~1 of 8 launches) after the
+    # rank has already finished and saved its result.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _to_cpu(value):
