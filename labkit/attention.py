@@ -182,7 +182,7 @@ DTYPE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "
 def bytes_per_element(dtype) -> float:
     """Bytes per element of a torch dtype or a format name (``"bf16"``, ``"fp8"``, ``"int4"``, ...)."""
     if isinstance(dtype, torch.dtype):
-        return float(torch.empty((), dtype=dtype).element_size())
+        return float(dtype.itemsize)
     if dtype in DTYPE_BYTES:
         return DTYPE_BYTES[dtype]
     raise ValueError(f"dtype={dtype!r}: expected a torch.dtype or one of {sorted(DTYPE_BYTES)}")

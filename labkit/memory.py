@@ -38,10 +38,6 @@ def _dtype(value, name: str = "param_dtype") -> torch.dtype:
     raise ValueError(f"{name}={value!r}: expected one of {sorted(DTYPES)} or the matching torch dtype")
 
 
-def _bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 # ----------------------------------------------------------------------------- measuring
 class _Saved:
     """What the pack hook hands to autograd instead of the tensor: when autograd frees the
@@ -174,7 +170,7 @@ def activation_terms(config: ModelConfig, batch_size: int, seq_len: int, dtype="
     dt = _dtype(dtype, "dtype")
     if config.use_triton:
         raise ValueError("config.use_triton=True: the estimate follows the PyTorch path of labkit.nn; the Triton kernels save different tensors")
-    p, f32, low = _bytes(dt), 4, dt != torch.float32
+    p, f32, low = dt.itemsize, 4, dt != torch.float32
     n, d, heads, kv, hd, ff, vocab = batch_size * seq_len, config.d_model, config.num_heads, config.kv_heads, config.dim_per_head, config.d_ff, config.vocab_size
 
     def norm(width: int, rows: int) -> int:
@@ -272,7 +268,7 @@ def model_state_bytes(num_params: int, param_dtype="fp32", mixed_precision: bool
         raise ValueError(f"zero_stage={zero_stage!r}: expected 0, 1, 2 or 3")
     if mixed_precision and dt == torch.float32:
         raise ValueError("param_dtype='fp32' with mixed_precision=True: mixed precision keeps 16-bit parameters (bf16 or fp16) beside fp32 master weights")
-    p = _bytes(dt)
+    p = dt.itemsize
     state_bytes = 4 if mixed_precision else p
     shard = math.ceil(num_params / world_size)
     n_opt = shard if zero_stage >= 1 else num_params

@@ -297,8 +297,8 @@ def rmsnorm_bytes(n_rows: int, n_cols: int, dtype: torch.dtype = torch.bfloat16,
     """
     if min(n_rows, n_cols, num_programs) <= 0:
         raise ValueError(f"n_rows={n_rows}, n_cols={n_cols}, num_programs={num_programs}: expected positive integers")
-    es = torch.empty((), dtype=dtype).element_size()
-    ws = torch.empty((), dtype=weight_dtype or dtype).element_size()
+    es = dtype.itemsize
+    ws = (weight_dtype or dtype).itemsize
     tensor, weight, rstd = n_rows * n_cols * es, n_cols * ws, n_rows * 4
     partials = min(num_programs, n_rows) * n_cols * 4
     return {

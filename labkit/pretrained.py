@@ -14,7 +14,7 @@ import torch
 
 from labkit.data import ArithmeticTask
 from labkit.model import TransformerLM, tiny_config
-from labkit.train import TrainConfig, save_checkpoint, train
+from labkit.train import TrainConfig, atomic_save, train
 
 ASSET = Path(__file__).parent / "assets" / "tiny_adder.pt"
 TASK = dict(num_digits=2, op="+", reverse_answer=True)
@@ -54,9 +54,7 @@ def save_tiny_adder(model: TransformerLM, log: dict, path: os.PathLike = ASSET) 
         "seed": SEED,
         "log": log,
     }
-    tmp = Path(path).with_suffix(".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+    atomic_save(payload, path)
 
 
 def load_tiny_adder(device="cpu", path: os.PathLike = ASSET) -> tuple[TransformerLM, dict]:

@@ -120,30 +120,34 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, iteration: int, out) -> None:
-    """Save model, optimizer, iteration and every RNG state.
-
-    For a path, the file is written next to its final name and then renamed over it
-    (``os.replace`` is atomic), so a crash mid-save leaves the previous checkpoint intact,
-    never a truncated one. ``out`` may also be an open binary file object.
-    """
-    payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "iteration": int(iteration), "rng": _rng_state()}
-    if not isinstance(out, (str, os.PathLike)):
-        torch.save(payload, out)
-        return
-    out = os.fspath(out)
-    directory = os.path.dirname(os.path.abspath(out))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=directory)
+def atomic_save(payload, path) -> None:
+    """``torch.save`` to a temporary file beside ``path``, then rename it over ``path``
+    (``os.replace`` is atomic): a crash mid-save leaves the old file intact, never a truncated one."""
+    path = os.fspath(path)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=os.path.dirname(os.path.abspath(path)))
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, out)
+        os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, iteration: int, out) -> None:
+    """Save model, optimizer, iteration and every RNG state.
+
+    A path is written with :func:`atomic_save`, so a crash mid-save leaves the previous
+    checkpoint intact, never a truncated one. ``out`` may also be an open binary file object.
+    """
+    payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "iteration": int(iteration), "rng": _rng_state()}
+    if not isinstance(out, (str, os.PathLike)):
+        torch.save(payload, out)
+        return
+    atomic_save(payload, out)
 
 
 def load_checkpoint(src, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
@@ -207,14 +211,13 @@ def estimate_loss(model: torch.nn.Module, data: np.ndarray, config: TrainConfig,
     evaluating never changes the training batches."""
     was_training = model.training
     model.eval()
-    rng_state = torch.get_rng_state()
-    torch.manual_seed(12345)
     losses = []
-    for _ in range(config.eval_batches):
-        x, y = get_batch(data, config.batch_size, config.context_length, device)
-        with _autocast(device, autocast_dtype):
-            losses.append(cross_entropy(model(x), y).item())
-    torch.set_rng_state(rng_state)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(12345)
+        for _ in range(config.eval_batches):
+            x, y = get_batch(data, config.batch_size, config.context_length, device)
+            with _autocast(device, autocast_dtype):
+                losses.append(cross_entropy(model(x), y).item())
     model.train(was_training)
     return float(np.mean(losses))
 
@@ -228,10 +231,9 @@ def loss_per_position(model: torch.nn.Module, data: np.ndarray, batch_size: int,
     device = torch.device(device) if device is not None else next(model.parameters()).device
     was_training = model.training
     model.eval()
-    rng_state = torch.get_rng_state()
-    torch.manual_seed(seed)
-    x, y = get_batch(data, batch_size, context_length, device)
-    torch.set_rng_state(rng_state)
+    with torch.random.fork_rng(devices=[]):  # the caller's random stream is left untouched
+        torch.manual_seed(seed)
+        x, y = get_batch(data, batch_size, context_length, device)
     logits = model(x).float()
     losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y, reduction="none")
     model.train(was_training)

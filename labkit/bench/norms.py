@@ -25,7 +25,7 @@ def _eager_swiglu(a, b):
 
 def _cases(n_cols: int, device):
     """``name -> (inputs, {impl: fn}, minimum forward bytes, minimum backward bytes)``."""
-    es = torch.empty((), dtype=DTYPE).element_size()
+    es = DTYPE.itemsize
     x = torch.randn(ROWS, n_cols, device=device, dtype=DTYPE)
     weight = torch.rand(n_cols, device=device, dtype=DTYPE) + 0.5
     a, b = torch.randn_like(x), torch.randn_like(x)

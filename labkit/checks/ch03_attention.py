@@ -53,7 +53,7 @@ def kv_bytes_per_token(fn) -> None:
         expected = _attention.kv_bytes_per_token(config, dtype)
         if got == expected:
             continue
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         layers, kv, hd, heads = config.num_layers, config.kv_heads, config.dim_per_head, config.num_heads
         mistakes = [
             (layers * kv * hd * size, "count both K and V: a factor of 2"),
