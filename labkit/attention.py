@@ -1,7 +1,8 @@
 """Attention as a serving system sees it (chapter 03): FlashAttention's online softmax written
 with plain torch tiles, the KV cache and what it costs in memory and time, turning a trained MHA
 model into GQA/MQA (mean-pooled K/V heads, then uptraining), and the functions behind the
-chapter's widgets.
+chapter's widgets. The cache itself, :class:`KVCache`, is defined in :mod:`labkit.nn` (the
+model's attention writes to it) and re-exported here.
 """
 from __future__ import annotations
 
@@ -14,68 +15,11 @@ import torch
 from labkit.data import ArithmeticTask
 from labkit.memory import SavedTensorMeter
 from labkit.model import PRESETS, ModelConfig, TransformerLM, count_parameters, generate
-from labkit.nn import causal_mask, scaled_dot_product_attention
+# KVCache belongs to the model layer (labkit.nn, next to the attention that writes to it) so
+# that labkit.model.generate can use it without importing this chapter; re-exported here
+# because the chapter builds and reads it as attention.KVCache.
+from labkit.nn import KVCache, causal_mask, scaled_dot_product_attention
 from labkit.train import TrainConfig, estimate_loss, train
-
-
-class KVCache:
-    """Preallocated K/V buffers, one pair per layer, each ``[batch, num_kv_heads, max_seq_len, head_dim]``.
-
-    ``update(layer_idx, k, v)`` (alias ``append``) writes the new keys/values after the ones already cached and
-    returns views of everything cached so far; the length advances once the last layer has
-    written (all layers see the same positions in one forward pass).
-    """
-
-    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, max_seq_len: int, head_dim: int, dtype=torch.float32, device=None):
-        for name, value in dict(num_layers=num_layers, batch_size=batch_size, num_kv_heads=num_kv_heads, max_seq_len=max_seq_len, head_dim=head_dim).items():
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}={value!r}: expected a positive integer")
-        shape = (num_layers, batch_size, num_kv_heads, max_seq_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.num_layers, self.max_seq_len = num_layers, max_seq_len
-        self._lengths = [0] * num_layers
-
-    @classmethod
-    def for_model(cls, model, batch_size: int, max_seq_len: int | None = None) -> "KVCache":
-        cfg = model.config
-        weight = model.token_embeddings.weight
-        return cls(cfg.num_layers, batch_size, cfg.kv_heads, max_seq_len or cfg.context_length, cfg.dim_per_head, dtype=weight.dtype, device=weight.device)
-
-    def reset(self) -> None:
-        """Forget everything cached (the buffers stay allocated for the next sequence)."""
-        self._lengths = [0] * self.num_layers
-
-    def length(self, layer_idx: int = 0) -> int:
-        """Number of positions cached for ``layer_idx``."""
-        return self._lengths[layer_idx]
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
-        """Append ``k, v`` ``[batch, num_kv_heads, new, head_dim]`` to layer ``layer_idx``; return
-        ``(k_all, v_all)``, views of every position cached so far. Raises ``ValueError`` if the
-        cache would overflow ``max_seq_len``."""
-        if not 0 <= layer_idx < self.num_layers:
-            raise ValueError(f"layer_idx={layer_idx}: expected 0 <= layer_idx < {self.num_layers}")
-        expected = self.k.shape[1:3] + self.k.shape[4:]
-        if k.dim() != 4 or (k.shape[0], k.shape[1], k.shape[3]) != tuple(expected) or k.shape != v.shape:
-            raise ValueError(
-                f"k, v: expected equal shapes [batch={expected[0]}, num_kv_heads={expected[1]}, new, head_dim={expected[2]}], "
-                f"got {tuple(k.shape)} and {tuple(v.shape)}"
-            )
-        start, new = self._lengths[layer_idx], k.shape[2]
-        if start + new > self.max_seq_len:
-            raise ValueError(f"KVCache overflow: {start} cached + {new} new > max_seq_len={self.max_seq_len}")
-        self.k[layer_idx, :, :, start : start + new] = k
-        self.v[layer_idx, :, :, start : start + new] = v
-        self._lengths[layer_idx] = start + new
-        return self.k[layer_idx, :, :, : start + new], self.v[layer_idx, :, :, : start + new]
-
-    append = update
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the cache buffers occupy (allocated up front for ``max_seq_len``)."""
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
 
 # ----------------------------------------------------------------------------- FlashAttention in torch

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from labkit.nn import GLU, Embedding, Linear, MultiHeadSelfAttention, RoPE
+from labkit.nn import GLU, Embedding, KVCache, Linear, MultiHeadSelfAttention, RoPE
 from labkit.nn import make_norm as norm_layer
 
 NORMS = ("rmsnorm", "layernorm", "none")  # BatchNorm mixes tokens of a batch: not offered for the LM
@@ -141,11 +141,9 @@ def generate(
 
     ``temperature=0`` is greedy decoding. With ``use_cache`` the prompt is processed once
     (prefill) and every later step feeds only the newest token, reading earlier keys/values
-    from a :class:`labkit.attention.KVCache`; without it, every step recomputes the whole prefix.
+    from a :class:`labkit.nn.KVCache`; without it, every step recomputes the whole prefix.
     Returns the prompt followed by the new tokens.
     """
-    from labkit.attention import KVCache
-
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 0")
     if temperature < 0:

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import torch
 
+# print_table is a display helper and lives in labkit.show; re-exported because the suites and
+# chapter 01 import it from here.
+from labkit.show import print_table  # noqa: F401 (re-export)
+
 
 def gpu_available() -> bool:
     return torch.cuda.is_available()
@@ -25,17 +29,3 @@ def copy_bandwidth_gbs(num_bytes: int = 1 << 30) -> float:
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src))
     return 2 * num_bytes / (ms * 1e-3) / 1e9
-
-
-def print_table(rows: list[dict]) -> None:
-    if not rows:
-        return
-    cols = list(rows[0])
-    widths = {c: max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in cols}
-    print("  ".join(c.rjust(widths[c]) for c in cols))
-    for r in rows:
-        print("  ".join(_fmt(r[c]).rjust(widths[c]) for c in cols))
-
-
-def _fmt(value) -> str:
-    return f"{value:.3g}" if isinstance(value, float) else str(value)

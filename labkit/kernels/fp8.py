@@ -12,7 +12,7 @@ How a float cast really works, written with integer operations on the fp32 bit p
 * **saturation**: positive fp32 bit patterns are ordered like their values, so clamping the
   pattern at the pattern of ``fmt.max`` clamps the value (and inf) before any rounding.
   Values beyond ±max therefore become ±max (the "satfinite" behaviour FP8 training wants);
-  NaN stays NaN (the code :func:`labkit.precision.encode` gives NaN: ``S.1111.111`` in E4M3,
+  NaN stays NaN (the code :func:`labkit.formats.encode` gives NaN: ``S.1111.111`` in E4M3,
   the quiet NaN ``S.11111.10`` in E5M2).
 
 This also sidesteps Triton's CPU interpreter, whose built-in fp8 casts are wrong for some
@@ -33,8 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
+# The formats come from labkit.formats, not from the chapter module labkit.precision: that
+# one imports the kernels, and kernels sit below the chapters (tests/test_layers.py).
+from labkit.formats import FloatFormat, encode, get_format
 from labkit.kernels._common import check_kernel_tensor
-from labkit.precision import FloatFormat, encode, get_format
 from labkit.runtime import triton_mode
 
 FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2")

@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from labkit import precision as P
-from labkit.bench import print_table
+from labkit.show import print_table
 
 FIELD_COLORS = {"sign": "#d62728", "exponent": "#1f77b4", "mantissa": "#2ca02c"}
 
