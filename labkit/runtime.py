@@ -21,6 +21,14 @@ DEVICE_ENV = "LABKIT_DEVICE"
 _device: torch.device | None = None
 
 
+class DeviceUnavailableError(ValueError, RuntimeError):
+    """The requested device does not exist on this machine.
+
+    Both a ``ValueError`` (a bad argument, labkit's convention) and a ``RuntimeError`` (what
+    PyTorch raises for ``torch.zeros(1, device="cuda:99")``, so course code written against
+    PyTorch's behaviour, e.g. Stanford CS336's tests, catches it too)."""
+
+
 class TritonImportOrderError(ImportError):
     """Triton was imported in compiled mode although there is no GPU to compile for."""
 
@@ -80,14 +88,15 @@ def get_device(device: str | torch.device | None = None) -> torch.device:
 
 
 def check_device(device: str | torch.device) -> torch.device:
-    """Raise ``ValueError`` for a device this machine does not have (e.g. ``cuda:99``)."""
+    """Raise :class:`DeviceUnavailableError` for a device this machine does not have (e.g. ``cuda:99``)
+    and ``ValueError`` for a device type labkit does not run on."""
     dev = torch.device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device={str(dev)!r}: CUDA is not available on this machine; use 'cpu'")
+            raise DeviceUnavailableError(f"device={str(dev)!r}: CUDA is not available on this machine; use 'cpu'")
         index = dev.index if dev.index is not None else 0
         if index >= torch.cuda.device_count():
-            raise ValueError(
+            raise DeviceUnavailableError(
                 f"device={str(dev)!r}: only {torch.cuda.device_count()} CUDA device(s) exist"
             )
     elif dev.type not in ("cpu", "mps", "meta"):
