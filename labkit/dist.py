@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -68,7 +69,9 @@ def launch(fn, world_size: int = 2, backend: str = "auto", timeout: float = 120,
     TCP store this process opens on a free port (port 0: the OS picks one), so launches can run
     side by side. If a rank raises or dies, the others are killed and :class:`RankFailedError`
     shows that rank's traceback; if the ranks are not done within ``timeout`` seconds, they
-    are killed and the error says which ranks were still running. No process outlives the call.
+    are killed and the error says which ranks were still running. No process outlives the call,
+    not even when this process is killed mid-run (e.g. a restarted notebook kernel): the ranks
+    notice that their parent is gone and end themselves.
     """
     if not callable(fn):
         raise TypeError(f"fn: expected a function, got {type(fn).__name__}")
@@ -87,8 +90,9 @@ def launch(fn, world_size: int = 2, backend: str = "auto", timeout: float = 120,
     with tempfile.TemporaryDirectory(prefix="labkit-launch-") as run_dir:
         run = Path(run_dir)
         torch.save({"fn": fn, "kwargs": kwargs, "world_size": world_size, "backend": backend, "port": store.port, "timeout": timeout}, run / "spec.pt")
-        procs = _start_ranks(run, world_size)
+        procs: list[subprocess.Popen] = []
         try:
+            _start_ranks(run, world_size, procs)
             _wait(procs, run, time.monotonic() + timeout, timeout)
         finally:
             _kill(procs)
@@ -112,16 +116,18 @@ def _child_env() -> dict:
     return env
 
 
-def _start_ranks(run: Path, world_size: int) -> list[subprocess.Popen]:
-    env, procs = _child_env(), []
+def _start_ranks(run: Path, world_size: int, procs: list[subprocess.Popen]) -> None:
+    """Start the ranks, appending each to ``procs`` the moment it exists: if starting a later
+    one fails (e.g. out of memory), the caller's ``finally`` still kills those already running."""
+    env = _child_env()
     for rank in range(world_size):
         with open(run / f"stdout_{rank}.txt", "wb") as out, open(run / f"stderr_{rank}.txt", "wb") as err:
             procs.append(subprocess.Popen(
-                [sys.executable, "-c", "from labkit.dist import _rank_main; _rank_main()", str(run), str(rank)],
+                # our pid goes along, so the rank can tell when it has lost its parent (see _die_with_parent)
+                [sys.executable, "-c", "from labkit.dist import _rank_main; _rank_main()", str(run), str(rank), str(os.getpid())],
                 stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
                 start_new_session=True,  # its own process group: killing it takes any children along
             ))
-    return procs
 
 
 def _wait(procs: list[subprocess.Popen], run: Path, deadline: float, timeout: float) -> None:
@@ -164,17 +170,20 @@ def _failure(procs: list[subprocess.Popen], run: Path) -> RankFailedError:
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:
+    """Kill every rank together with the processes it started, and reap the ranks."""
     for p in procs:
-        if p.poll() is None:
-            try:
-                if hasattr(os, "killpg"):
-                    os.killpg(p.pid, signal.SIGKILL)
-                else:  # Windows: no process groups
-                    p.kill()
-            except ProcessLookupError:
-                pass
+        try:
+            if hasattr(os, "killpg"):
+                # Each rank leads its own process group (its pid is the group's id), so this also
+                # kills what the rank started (a `sleep`, DataLoader workers, ...), even after the
+                # rank itself exited: a group's id is not handed to a new process while any member lives.
+                os.killpg(p.pid, signal.SIGKILL)
+            elif p.poll() is None:  # Windows: no process groups
+                p.kill()
+        except (ProcessLookupError, PermissionError):  # the group is empty (macOS: only zombies left)
+            pass
     for p in procs:
-        p.wait()  # reap: no zombies left behind
+        p.wait()  # reap: no zombies left behind (the rank's own children are reaped by init)
 
 
 def _failure_time(run: Path, rank: int) -> float:
@@ -189,10 +198,55 @@ def _tail(path: Path, lines: int = 25) -> str:
     return "\n".join(text.splitlines()[-lines:]) or "(empty)"
 
 
+def _die_with_parent(parent: int) -> None:
+    """End this rank when the launching process ``parent`` dies.
+
+    A killed launcher (SIGKILL, a restarted notebook kernel) never runs the ``finally`` that
+    kills the ranks, and the ranks, each in its own session, would live on: one in a loop or a
+    sleep forever, one in a collective until the process-group timeout.
+    """
+    if os.name != "posix":
+        return  # Windows: a process is not re-parented, so there is nothing for us to notice
+    # However the rank learns it is orphaned, it ends the same way: with everything it started.
+    signal.signal(signal.SIGTERM, lambda signum, frame: _end_with_own_children())
+    if sys.platform.startswith("linux"):
+        # Ask the kernel to send SIGTERM the moment our parent exits (strictly: the parent
+        # *thread* that started us; launch() waits for the ranks in that very thread). The handler
+        # above runs as soon as the main thread executes Python again (a sleep is interrupted);
+        # if it sits in a long C call (a collective), the watchdog below acts within 0.5 s.
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    # If the parent died before prctl ran (e.g. while this rank was importing torch), no signal
+    # will come: we have already been re-parented (to init or a "subreaper"), so our parent's
+    # pid is no longer the one launch() passed us.
+    if os.getppid() != parent:
+        _end_with_own_children()
+    # Everywhere (macOS has no prctl): a thread that checks twice a second.
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="labkit-parent-watchdog").start()
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    _end_with_own_children()
+
+
+def _end_with_own_children() -> None:
+    """Kill this rank's process group, i.e. whatever the rank started and the rank with it;
+    but only a group this rank leads (launch() starts each rank in a new session)."""
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os._exit(1)
+
+
 def _rank_main() -> None:
-    """Entry point of one rank (``python -c ... <run_dir> <rank>``)."""
+    """Entry point of one rank (``python -c ... <run_dir> <rank> <launcher pid>``)."""
     import faulthandler
     import traceback
+
+    _die_with_parent(int(sys.argv[3]))  # first of all: the launcher may already be gone
 
     import labkit  # noqa: F401  (sets up Triton's mode before anything imports it)
 

@@ -1,10 +1,15 @@
 import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import labkit  # noqa: F401
+import labkit.dist
 from labkit import dist_demos
 from labkit.dist import (
     RankFailedError,
@@ -134,6 +139,117 @@ def test_hanging_rank_times_out_and_leaves_no_process():
         launch(dist_demos.hang_on_rank, world_size=2, backend="gloo", timeout=8, quiet=True)
     assert time.monotonic() - start < 20
     assert set(_children()) <= before  # (other tests' children, e.g. a notebook kernel, may exist)
+
+
+def record_pids_then_wait(rank, world_size, pid_dir, start_child=False, fail=False):
+    """A rank function for the clean-up tests below (the ranks import it from this module):
+    saves this rank's pid, and that of a `sleep` it starts (``start_child``), then raises
+    (``fail``) or sleeps far longer than any test waits."""
+    pids = [os.getpid()]
+    if start_child:
+        pids.append(subprocess.Popen(["sleep", "60"]).pid)
+    tmp = Path(pid_dir) / f"{rank}.tmp"
+    tmp.write_text(" ".join(map(str, pids)))
+    tmp.replace(Path(pid_dir) / f"{rank}.pids")  # atomic: the test never reads a half-written file
+    if fail:
+        raise RuntimeError("failing on purpose")
+    time.sleep(60)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs. A zombie counts as gone: an orphan that died waits to be
+    reaped by init, which in a container may never happen."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _still_alive_after(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [pid for pid in pids if _alive(pid)]
+
+
+def _kill_leftovers(pids: list[int]) -> None:
+    """So that a failing test leaves nothing behind either."""
+    for pid in pids:
+        if _alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+@needs_proc
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    # The launcher plays a notebook kernel that gets restarted: SIGKILL, so its `finally` never runs.
+    tests_dir = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(tests_dir), str(tests_dir.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    code = ("import sys, test_dist; from labkit.dist import launch; launch(test_dist.record_pids_then_wait, "
+            "world_size=2, backend='gloo', timeout=120, quiet=True, pid_dir=sys.argv[1], start_child=True)")
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    with open(tmp_path / "launcher_stderr.txt", "wb") as err:
+        launcher = subprocess.Popen([sys.executable, "-c", code, str(pid_dir)], env=env, stdout=subprocess.DEVNULL, stderr=err)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 60  # two ranks importing torch on a busy machine
+        while len(list(pid_dir.glob("*.pids"))) < 2 and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        # each rank's pid and the pid of the `sleep` it started
+        ranks = [int(pid) for r in range(2) if (pid_dir / f"{r}.pids").exists() for pid in (pid_dir / f"{r}.pids").read_text().split()]
+        assert len(ranks) == 4, f"the ranks did not start:\n{(tmp_path / 'launcher_stderr.txt').read_text()}"
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        assert _still_alive_after(ranks, 10) == []
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        _kill_leftovers(ranks)
+
+
+@needs_proc
+def test_a_rank_that_fails_to_start_stops_the_ones_started(monkeypatch):
+    real_popen, started = subprocess.Popen, []
+
+    def popen(*args, **kwargs):  # rank 0 starts, rank 1 cannot (think: out of memory)
+        if started:
+            raise OSError("cannot start rank 1 (simulated)")
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    before = set(_children())
+    monkeypatch.setattr(labkit.dist.subprocess, "Popen", popen)
+    try:
+        with pytest.raises(OSError, match="simulated"):
+            launch(dist_demos.hello, world_size=4, backend="gloo", timeout=60, quiet=True)
+        monkeypatch.undo()
+        assert started[0].returncode == -signal.SIGKILL  # killed, and reaped (else no returncode yet)
+        assert set(_children()) <= before
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@needs_proc
+@pytest.mark.parametrize("fail", [True, False], ids=["rank raises", "rank hangs"])
+def test_stopping_a_rank_also_kills_what_it_started(tmp_path, fail):
+    # "rank raises": the rank exits by itself, but its `sleep` lives on until launch() kills its group.
+    with pytest.raises(RankFailedError, match="failing on purpose" if fail else "timeout=10 s"):
+        launch(record_pids_then_wait, world_size=1, backend="gloo", timeout=10, quiet=True,
+               pid_dir=str(tmp_path), start_child=True, fail=fail)
+    pids = [int(pid) for pid in (tmp_path / "0.pids").read_text().split()]
+    try:
+        assert _still_alive_after(pids, 5) == []
+    finally:
+        _kill_leftovers(pids)
 
 
 def _not_importable(rank, world_size):
