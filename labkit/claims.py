@@ -76,15 +76,16 @@ def _as_number(value, name: str) -> float:
         raise TypeError(f"{name}: expected a number, got {type(value).__name__}") from None
 
 
-def expect(value, claim: str, *, between: tuple | None = None, near=None, tol=None, rel=None):
-    """Check that ``value`` supports ``claim``; return ``value`` unchanged.
+def expect(value, claim: str, *, between: tuple | None = None, near=None, tol=None, rel=None) -> None:
+    """Check that ``value`` supports ``claim``.
 
     - ``expect(flag, claim)`` with a bool: the claim holds when ``flag`` is True;
     - ``expect(x, claim, between=(low, high))``: ``low <= x <= high`` (either end may be None);
     - ``expect(x, claim, near=ref, tol=0.01)`` or ``rel=0.05``: ``|x - ref| <= tol + rel * |ref|``.
 
     Raises :class:`ClaimFailed` (an ``AssertionError``) whose message names the claim, the
-    measured value and the accepted range.
+    measured value and the accepted range. Returns None, so that a cell may end with it without
+    printing anything (a trailing ``;`` does not silence a value under nbval).
     """
     if not isinstance(claim, str) or not claim.strip():
         raise TypeError("claim: expected a sentence saying what the value shows")
@@ -94,7 +95,7 @@ def expect(value, claim: str, *, between: tuple | None = None, near=None, tol=No
         _log(claim, bool(value), None)
         if not value:
             raise ClaimFailed(f"Claim not met: {claim}.\n  The check behind it came out False.{_HINT}")
-        return value
+        return
     if (between is None) == (near is None):
         raise TypeError("expect: give either between=(low, high) or near=reference (with tol= and/or rel=)")
     x = _as_number(value, "value")
@@ -116,7 +117,6 @@ def expect(value, claim: str, *, between: tuple | None = None, near=None, tol=No
     _log(claim, x, (low, high))
     if not low <= x <= high:  # also rejects NaN
         raise ClaimFailed(f"Claim not met: {claim}.\n  Measured {x:.4g}, expected {wanted}.{_HINT}")
-    return value
 
 
 _HINT = (

@@ -89,7 +89,11 @@ class Embedding(nn.Module):
                 f"token_ids: values must lie in [0, {self.num_embeddings}), "
                 f"got min {int(token_ids.min())}, max {int(token_ids.max())}"
             )
-        return self.weight[token_ids]
+        # F.embedding rather than self.weight[token_ids]: the same rows forward, but its CPU backward
+        # adds each position's gradient into its token's row in a fixed order, where the indexing
+        # backward (index_put_ with accumulate) lets several threads race with atomic adds, so two
+        # identical multi-threaded training runs would drift apart (chapter 00, section 7).
+        return nn.functional.embedding(token_ids, self.weight)
 
     def extra_repr(self) -> str:
         return f"num_embeddings={self.num_embeddings}, d_model={self.d_model}"
