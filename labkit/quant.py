@@ -1036,3 +1036,80 @@ def quantization_explorer(bits: int, symmetric: bool, granularity: str, group_si
         "scales": [q.scale[index].item() for index in group_indices],
         "bits_per_parameter": bits_per_parameter(bits, per_group, 16, 0 if symmetric else 8),
     }
+
+
+# ============================================================================ sizing a DeepSeek-V3-class model
+# DeepSeek-V3's published config.json (github.com/deepseek-ai/DeepSeek-V3, config_671B.json /
+# the Hugging Face config.json): the fields that decide its parameter count, under their names.
+DEEPSEEK_V3 = dict(
+    vocab_size=129280, hidden_size=7168, num_hidden_layers=61, first_k_dense_replace=3, intermediate_size=18432,
+    n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, moe_intermediate_size=2048,
+    num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, tie_word_embeddings=False,
+)
+
+
+def deepseek_v3_parameters(**overrides) -> dict[str, int]:
+    """Parameter count of a DeepSeek-V3-style model (MLA attention, DeepSeekMoE FFN), by part,
+    computed from its config (:data:`DEEPSEEK_V3`; pass any field to change it).
+
+    The layers follow the reference implementation (``modeling_deepseek.py``), weights ``[out, in]``, no biases:
+
+    * **MLA attention**, every layer: queries through a low-rank bottleneck, ``q_a_proj``
+      ``[q_lora_rank, hidden]`` -> RMSNorm ``q_a_layernorm`` -> ``q_b_proj`` ``[heads * (nope + rope), q_lora_rank]``;
+      keys and values compressed into one latent, ``kv_a_proj_with_mqa`` ``[kv_lora_rank + rope, hidden]`` (the extra
+      ``rope`` columns are the one decoupled RoPE key shared by all heads) -> RMSNorm ``kv_a_layernorm`` ->
+      ``kv_b_proj`` ``[heads * (nope + v_head_dim), kv_lora_rank]``; ``o_proj`` ``[hidden, heads * v_head_dim]``.
+    * **FFN**: the first ``first_k_dense_replace`` layers a SwiGLU MLP of ``intermediate_size``
+      (``gate_proj``, ``up_proj``, ``down_proj``); the others ``n_routed_experts`` routed SwiGLU
+      experts and ``n_shared_experts`` shared ones of ``moe_intermediate_size``, plus the router
+      ``gate`` (a ``[n_routed_experts, hidden]`` weight and the ``e_score_correction_bias`` of
+      auxiliary-loss-free balancing, ``[n_routed_experts]``).
+    * RMSNorms: two per layer (before attention and FFN) plus the two latent norms, and a final one;
+      untied input embedding and LM head ``[vocab, hidden]``.
+
+    The multi-token-prediction (MTP) module of the released checkpoint is not counted: with the
+    defaults the total is DeepSeek-V3's published 671B (the checkpoint's 685B includes MTP).
+    Returns ``embeddings, attention, dense_ffn, routed_experts, shared_experts, routers, norms,
+    lm_head`` (each summed over all layers), ``total``, and ``active``: the parameters one
+    token uses, i.e. the total minus the routed experts it is not sent to
+    (``n_routed_experts - num_experts_per_tok`` per MoE layer).
+    """
+    unknown = set(overrides) - set(DEEPSEEK_V3)
+    if unknown:
+        raise ValueError(f"unknown config fields {sorted(unknown)}; expected some of {sorted(DEEPSEEK_V3)}")
+    c = {**DEEPSEEK_V3, **overrides}
+    may_be_zero = ("first_k_dense_replace", "n_shared_experts")
+    for name, value in c.items():
+        if name == "tie_word_embeddings":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name in may_be_zero else 1):
+            raise ValueError(f"{name}={value!r}: expected a {'non-negative' if name in may_be_zero else 'positive'} integer")
+    if not 0 <= c["first_k_dense_replace"] <= c["num_hidden_layers"]:
+        raise ValueError(f"first_k_dense_replace={c['first_k_dense_replace']}: expected 0 to num_hidden_layers")
+    if c["num_experts_per_tok"] > c["n_routed_experts"]:
+        raise ValueError(f"num_experts_per_tok={c['num_experts_per_tok']}: more than n_routed_experts={c['n_routed_experts']}")
+    hidden, heads = c["hidden_size"], c["num_attention_heads"]
+    qk_head_dim = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    attention = (hidden * c["q_lora_rank"] + c["q_lora_rank"] * heads * qk_head_dim  # q_a_proj, q_b_proj
+                 + hidden * (c["kv_lora_rank"] + c["qk_rope_head_dim"])  # kv_a_proj_with_mqa
+                 + c["kv_lora_rank"] * heads * (c["qk_nope_head_dim"] + c["v_head_dim"])  # kv_b_proj
+                 + heads * c["v_head_dim"] * hidden)  # o_proj
+    swiglu = lambda inner: 3 * hidden * inner  # noqa: E731  (gate_proj, up_proj, down_proj)
+    dense_layers = c["first_k_dense_replace"]
+    moe_layers = c["num_hidden_layers"] - dense_layers
+    layers = c["num_hidden_layers"]
+    expert = swiglu(c["moe_intermediate_size"])
+    parts = {
+        "embeddings": c["vocab_size"] * hidden,
+        "attention": layers * attention,
+        "dense_ffn": dense_layers * swiglu(c["intermediate_size"]),
+        "routed_experts": moe_layers * c["n_routed_experts"] * expert,
+        "shared_experts": moe_layers * c["n_shared_experts"] * expert,
+        "routers": moe_layers * (c["n_routed_experts"] * hidden + c["n_routed_experts"]),
+        "norms": layers * (2 * hidden + c["q_lora_rank"] + c["kv_lora_rank"]) + hidden,
+        "lm_head": 0 if c["tie_word_embeddings"] else c["vocab_size"] * hidden,
+    }
+    parts["total"] = sum(parts.values())
+    parts["active"] = parts["total"] - moe_layers * (c["n_routed_experts"] - c["num_experts_per_tok"]) * expert
+    return parts
