@@ -15,6 +15,15 @@ def gpu_available() -> bool:
     return torch.cuda.is_available()
 
 
+def run_suite(on_gpu, on_cpu) -> None:
+    """A suite's ``main``: the timings on a GPU; on a CPU, say why not and check correctness instead."""
+    if gpu_available():
+        on_gpu()
+    else:
+        print("No GPU: timings need a GPU (on CPU the kernels run in Triton's interpreter). Checking correctness only.")
+        on_cpu()
+
+
 def time_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     """Median milliseconds of ``fn()`` on the GPU (``triton.testing.do_bench``)."""
     import triton.testing

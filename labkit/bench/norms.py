@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from labkit.bench import copy_bandwidth_gbs, gpu_available, print_table, time_ms
+from labkit.bench import copy_bandwidth_gbs, print_table, run_suite, time_ms
 from labkit.kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from labkit.kernels.softmax import softmax
 from labkit.kernels.swiglu import swiglu, swiglu_reference
@@ -87,11 +87,7 @@ def check_cpu() -> list[dict]:
 
 
 def main() -> None:
-    if gpu_available():
-        run_gpu()
-    else:
-        print("No GPU: timings need a GPU (on CPU the kernels run in Triton's interpreter). Checking correctness only.")
-        check_cpu()
+    run_suite(run_gpu, check_cpu)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from labkit.bench import copy_bandwidth_gbs, gpu_available, print_table, time_ms
+from labkit.bench import copy_bandwidth_gbs, print_table, run_suite, time_ms
 from labkit.kernels.quant_matmul import quant_matmul, quant_matmul_reference
 from labkit.quant import nf4_codebook
 
@@ -84,11 +84,7 @@ def check_correctness(device, N: int = 96, K: int = 256) -> list[dict]:
 
 
 def main() -> None:
-    if gpu_available():
-        run_gpu()
-    else:
-        print("No GPU: timings need a GPU (on CPU the kernels run in Triton's interpreter). Checking correctness only.")
-        print_table(check_correctness("cpu"))
+    run_suite(run_gpu, lambda: print_table(check_correctness("cpu")))
 
 
 if __name__ == "__main__":
