@@ -5,6 +5,9 @@ PYTHON     ?= python3
 VENV       ?= .venv
 TORCH_SPEC ?= torch>=2.6
 JOBS       ?= 2
+# Extras `make test` installs; CI adds "reference" (well-kept libraries that some tests compare against,
+# e.g. bitsandbytes' NF4; those tests skip with a reason where the library is absent).
+TEST_EXTRAS ?= lab,test
 PORT       ?= 8888
 BIN        := $(VENV)/bin
 # Jupyter refuses to run as root unless told to (containers and cloud VMs often log in as root).
@@ -34,7 +37,7 @@ $(LAB_OVERRIDES): jupyter/lab-overrides.json | $(BIN)/python
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -e ".[lab,test]"
+	$(BIN)/python -m pip install -e ".[$(TEST_EXTRAS)]"
 	touch $@
 
 ## Open JupyterLab on the chapter notebooks (only reachable from this machine).
