@@ -5,7 +5,9 @@
 State-dict keys read like the architecture: ``token_embeddings.weight``,
 ``layers.{i}.ln1.weight``, ``layers.{i}.attn.{q,k,v,output}_proj.weight``,
 ``layers.{i}.ln2.weight``, ``layers.{i}.ffn.{w1,w2,w3}.weight``, ``ln_final.weight``,
-``lm_head.weight``.
+``lm_head.weight``. With ``ModelConfig(moe=MoEConfig(...))`` the FFN of the MoE layers is a
+:class:`labkit.experts.MoELayer` instead (``layers.{i}.ffn.router.weight``,
+``layers.{i}.ffn.experts.{w1,w2,w3}``, ...).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from labkit.experts import MoEConfig, MoELayer, active_parameter_count
 from labkit.nn import GLU, Embedding, KVCache, Linear, MultiHeadSelfAttention, RoPE
 from labkit.nn import make_norm as norm_layer
 
@@ -37,6 +40,7 @@ class ModelConfig:
     qk_norm: bool = False
     tie_embeddings: bool = False  # lm_head shares the token-embedding matrix
     use_triton: bool = False  # route RMSNorm, SwiGLU and attention through labkit.kernels
+    moe: MoEConfig | None = None  # mixture-of-experts FFN in some or all layers (None: dense)
 
     def __post_init__(self):
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
@@ -50,6 +54,14 @@ class ModelConfig:
             raise ValueError(f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}")
         if self.norm not in NORMS:
             raise ValueError(f"norm={self.norm!r}: expected one of {NORMS}")
+        if isinstance(self.moe, dict):  # dataclasses.asdict() of a saved config
+            self.moe = MoEConfig(**self.moe)
+        if self.moe is not None:
+            if not isinstance(self.moe, MoEConfig):
+                raise TypeError(f"moe: expected a labkit.experts.MoEConfig or None, got {type(self.moe).__name__}")
+            if not any(self.moe.is_moe_layer(i) for i in range(self.num_layers)):
+                raise ValueError(f"moe: first_dense={self.moe.first_dense}, every={self.moe.every} leaves no MoE layer "
+                                 f"among num_layers={self.num_layers}")
 
     @property
     def kv_heads(self) -> int:
@@ -59,15 +71,20 @@ class ModelConfig:
     def dim_per_head(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
 
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx``'s FFN is a mixture of experts."""
+        return self.moe is not None and self.moe.is_moe_layer(layer_idx)
+
 
 def make_norm(config: ModelConfig, device=None, dtype=None) -> nn.Module:
     return norm_layer(config.norm, config.d_model, config.norm_eps, device, dtype, use_triton=config.use_triton)
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``x = x + attn(ln1(x)); x = x + ffn(ln2(x))``."""
+    """Pre-norm block: ``x = x + attn(ln1(x)); x = x + ffn(ln2(x))``; ``ffn`` is a GLU, or an
+    :class:`~labkit.experts.MoELayer` when ``config.is_moe_layer(layer_idx)``."""
 
-    def __init__(self, config: ModelConfig, rope: RoPE | None = None, device=None, dtype=None):
+    def __init__(self, config: ModelConfig, rope: RoPE | None = None, device=None, dtype=None, layer_idx: int = 0):
         super().__init__()
         self.ln1 = make_norm(config, device, dtype)
         self.attn = MultiHeadSelfAttention(
@@ -82,7 +99,11 @@ class TransformerBlock(nn.Module):
             use_triton=config.use_triton,
         )
         self.ln2 = make_norm(config, device, dtype)
-        self.ffn = GLU(config.d_model, config.d_ff, config.activation, device=device, dtype=dtype, use_triton=config.use_triton)
+        if config.is_moe_layer(layer_idx):
+            self.ffn = MoELayer.from_config(config.d_model, config.d_ff, config.moe, config.activation, device=device, dtype=dtype,
+                                            use_triton=config.use_triton)
+        else:
+            self.ffn = GLU(config.d_model, config.d_ff, config.activation, device=device, dtype=dtype, use_triton=config.use_triton)
 
     def forward(self, x: torch.Tensor, token_positions=None, kv_cache=None, layer_idx: int = 0) -> torch.Tensor:
         x = x + self.attn(self.ln1(x), token_positions, kv_cache, layer_idx)
@@ -96,7 +117,7 @@ class TransformerLM(nn.Module):
         self.token_embeddings = Embedding(config.vocab_size, config.d_model, device=device, dtype=dtype)
         # One RoPE table shared by every layer (a non-persistent buffer: not in the state dict).
         rope = RoPE(config.rope_theta, config.dim_per_head, config.context_length, device=device)
-        self.layers = nn.ModuleList(TransformerBlock(config, rope, device, dtype) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(TransformerBlock(config, rope, device, dtype, layer_idx=i) for i in range(config.num_layers))
         self.ln_final = make_norm(config, device, dtype)
         self.lm_head = Linear(config.d_model, config.vocab_size, device=device, dtype=dtype)
         if config.tie_embeddings:
@@ -228,3 +249,29 @@ def count_parameters(config: ModelConfig) -> int:
     """Parameters of ``TransformerLM(config)``, counted on the ``meta`` device (no memory used),
     so it works for a 70B-parameter preset on a laptop."""
     return TransformerLM(config, device="meta").num_params()
+
+
+def count_active_parameters(config: ModelConfig) -> int:
+    """Parameters one token uses in ``TransformerLM(config)`` (built on ``meta``): the total minus
+    the routed experts each MoE layer does not send it to; equal to the total for a dense model."""
+    return active_parameter_count(TransformerLM(config, device="meta"))
+
+
+# Published mixture-of-experts architectures (Hugging Face config.json files), kept apart from
+# PRESETS (whose every entry chapter 03 tabulates as a dense model). DeepSeek-V3 is not here:
+# its MLA attention is not a TransformerLM option (labkit.moe counts it from its config).
+MOE_PRESETS: dict[str, ModelConfig] = {
+    # Mixtral-8x7B: Mistral-7B's attention (GQA 32 / 8) and 8 SwiGLU experts of 14336, top-2 with
+    # renormalised softmax gates; published 46.7B total, 12.9B active parameters.
+    "mixtral-8x7b": ModelConfig(
+        vocab_size=32000, context_length=32768, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+        d_ff=14336, rope_theta=1_000_000.0, moe=MoEConfig(num_experts=8, top_k=2),
+    ),
+    # Qwen3-30B-A3B: 48 layers, GQA 32 / 4 heads of 128, QK-norm, 128 fine-grained experts of 768,
+    # top-8 (norm_topk_prob), no shared expert; published 30.5B total, 3.3B active.
+    "qwen3-30b-a3b": ModelConfig(
+        vocab_size=151936, context_length=40960, d_model=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+        head_dim=128, d_ff=6144, rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True,
+        moe=MoEConfig(num_experts=128, top_k=8, d_ff=768),
+    ),
+}

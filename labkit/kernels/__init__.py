@@ -17,6 +17,7 @@ _OPS = {
     "flash_attention": "flash_attention",
     "flash_attention_with_lse": "flash_attention",
     "quant_matmul": "quant_matmul",
+    "grouped_matmul": "grouped_matmul",
 }
 __all__ = sorted(_OPS)
 
@@ -35,6 +36,7 @@ if triton_installed():
     # name (labkit.kernels.rmsnorm would otherwise be the module, not the function).
     from labkit.kernels.flash_attention import flash_attention, flash_attention_with_lse  # noqa: E402
     from labkit.kernels.fp8 import fp8_dequantize, fp8_quantize  # noqa: E402
+    from labkit.kernels.grouped_matmul import grouped_matmul  # noqa: E402
     from labkit.kernels.quant_matmul import quant_matmul  # noqa: E402
     from labkit.kernels.rmsnorm import rmsnorm  # noqa: E402
     from labkit.kernels.softmax import softmax  # noqa: E402
