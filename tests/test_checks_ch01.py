@@ -59,9 +59,17 @@ def range_by_hand(fmt, ieee_reserves=True, nan_only_mantissa=True, bias_shift=0,
     return maximum, min_normal, min_normal * (2.0**-m if subnormal_shift else 1)
 
 
+def range_in_fp32(fmt):
+    """Right formula, but in float32 tensors: fp64-sized ranges overflow."""
+    e, m, bias = fmt.exponent_bits, fmt.mantissa_bits, fmt.bias
+    two = torch.tensor(2.0)
+    top = 2**e - (2 if fmt.specials == "ieee" else 1)
+    mantissa = (1 - 2.0 ** -m) if fmt.specials != "nan_only" else (1 - 2.0 ** (1 - m))
+    return (two ** (top - bias) * (1 + mantissa), two ** (1 - bias), two ** (1 - bias - m))
+
+
 def test_format_range_accepts_right_answers(capsys):
     checks.format_range(range_by_hand)
-    checks.format_range(lambda f: (f.max, f.min_normal, f.min_subnormal))
     assert "✓ format_range" in capsys.readouterr().out
 
 
@@ -71,6 +79,8 @@ def test_format_range_accepts_right_answers(capsys):
     (lambda f: range_by_hand(f, bias_shift=1), "max"),
     (lambda f: range_by_hand(f, subnormal_shift=False), "one mantissa step"),
     (lambda f: range_by_hand(f)[:2], "three numbers"),
+    (lambda f: (f.max, f.min_normal, f.min_subnormal), "compute"),  # reads the answer off the object
+    (lambda f: tuple(float(v) for v in range_in_fp32(f)), "Python floats"),
 ])
 def test_format_range_rejects_typical_mistakes(wrong, hint):
     with pytest.raises(CheckFailed, match=hint):
@@ -79,14 +89,16 @@ def test_format_range_rejects_typical_mistakes(wrong, hint):
 
 # ----------------------------------------------------------------------------- update_scale
 def scale_rule(scale, growth_tracker, found_inf, *, growth_factor, backoff_factor, growth_interval,
-               reset_on_inf=True, off_by_one=False, reset_on_growth=True, fixed_factors=False):
+               reset_on_inf=True, off_by_one=False, reset_on_growth=True, fixed_factors=False, finite_guard=True,
+               float_tracker=False):
     if fixed_factors:
         growth_factor, backoff_factor = 2.0, 0.5
     if found_inf:
         return scale * backoff_factor, 0 if reset_on_inf else growth_tracker
-    growth_tracker += 1
+    growth_tracker += 1.0 if float_tracker else 1
     if growth_tracker == growth_interval + (1 if off_by_one else 0):
-        return scale * growth_factor, 0 if reset_on_growth else growth_tracker
+        grown = scale * growth_factor
+        return grown if math.isfinite(grown) or not finite_guard else scale, 0 if reset_on_growth else growth_tracker
     return scale, growth_tracker
 
 
@@ -96,9 +108,13 @@ def test_update_scale_accepts_right_answers(capsys):
     assert "✓ update_scale" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("mistake", [dict(reset_on_inf=False), dict(off_by_one=True), dict(reset_on_growth=False), dict(fixed_factors=True)])
-def test_update_scale_rejects_typical_mistakes(mistake):
-    with pytest.raises(CheckFailed):
+@pytest.mark.parametrize("mistake, hint", [
+    (dict(reset_on_inf=False), "resets the counter"), (dict(off_by_one=True), "growth_interval-th"),
+    (dict(reset_on_growth=False), "reset the counter"), (dict(fixed_factors=True), "argument"),
+    (dict(finite_guard=False), "finite"), (dict(float_tracker=True), "int"),
+])
+def test_update_scale_rejects_typical_mistakes(mistake, hint):
+    with pytest.raises(CheckFailed, match=hint):
         checks.update_scale(lambda *a, **k: scale_rule(*a, **k, **mistake))
 
 
@@ -126,8 +142,23 @@ def scale_by_hand(x, fmt, margin=0, use_abs=True, inverted=False, with_margin=Tr
     return scale * 2**margin if with_margin else scale
 
 
+def scale_in_x_dtype(x, fmt, margin=0):  # the division in x's 16-bit dtype: the scale itself gets rounded
+    finite = x[torch.isfinite(x)].abs()
+    if finite.numel() == 0 or finite.max() == 0:
+        return 1.0
+    return finite.max() / P.get_format(fmt).max * 2**margin
+
+
+def in_place_abs(x, fmt, margin=0):
+    return scale_by_hand(x.abs_(), fmt, margin)
+
+
+def last_dim_only(x, fmt, margin=0):
+    return scale_by_hand(x.reshape(-1, x.shape[-1])[0], fmt, margin)
+
+
 def test_amax_scale_accepts_right_answers(capsys):
-    checks.amax_scale(scale_by_hand)
+    checks.amax_scale(lambda x, fmt, margin=0: scale_by_hand(x.float(), fmt, margin) if torch.isfinite(x).any() else 1.0)
     checks.amax_scale(P.amax_scale)
     assert "✓ amax_scale" in capsys.readouterr().out
 
@@ -142,6 +173,17 @@ def test_amax_scale_accepts_right_answers(capsys):
 def test_amax_scale_rejects_typical_mistakes(mistake, hint):
     with pytest.raises(CheckFailed, match=hint):
         checks.amax_scale(lambda x, fmt, margin=0: scale_by_hand(x, fmt, margin, **mistake))
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (scale_by_hand, "no finite entry"),  # max of an empty selection raises
+    (scale_in_x_dtype, "fp16"),
+    (in_place_abs, "do not change x"),
+    (last_dim_only, "amax"),
+])
+def test_amax_scale_rejects_realistic_mistakes(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks.amax_scale(wrong)
 
 
 # ----------------------------------------------------------------------------- unfinished answers

@@ -8,9 +8,23 @@ from labkit.checks import CheckFailed
 
 
 # ----------------------------------------------------------------------------- causal_mask
+def plain_mask(num_queries, num_keys):
+    """An independent right answer: the lower triangle shifted by num_keys - num_queries."""
+    return torch.ones(num_queries, num_keys, dtype=torch.bool).tril(diagonal=num_keys - num_queries)
+
+
 def test_causal_mask_accepts_reference(capsys):
     checks.causal_mask(nn.causal_mask)
-    assert "causal_mask" in capsys.readouterr().out
+    checks.causal_mask(plain_mask)
+    assert capsys.readouterr().out.count("✓ causal_mask") == 2
+
+
+def _clamped_offset(nq, nk):
+    return torch.ones(nq, nk, dtype=torch.bool).tril(diagonal=max(nk - nq, 0))
+
+
+def _square_then_slice(nq, nk):  # the last rows of a square mask: right only when nq <= nk
+    return torch.ones(nk, nk, dtype=torch.bool).tril()[-nq:]
 
 
 @pytest.mark.parametrize(
@@ -22,6 +36,9 @@ def test_causal_mask_accepts_reference(capsys):
         (lambda nq, nk: nn.causal_mask(nq, nk).float(), "boolean"),
         (lambda nq, nk: nn.causal_mask(nk, nq), "shape"),
         (lambda nq, nk: torch.ones(nq, nk, dtype=torch.bool), "query i may attend"),
+        (_clamped_offset, "do not clamp"),
+        (_square_then_slice, "shape"),
+        (lambda nq, nk: nn.causal_mask(nq, nk)[:, :256] if nk > 256 else nn.causal_mask(nq, nk), "shape"),
     ],
 )
 def test_causal_mask_rejects_typical_mistakes(wrong, hint):
@@ -49,7 +66,10 @@ def _size(dt):
         (lambda c, dt: 2 * c.num_layers * c.kv_heads * (c.d_model // c.num_heads) * _size(dt), "head dim"),
         (lambda c, dt: 16 * c.num_layers * c.kv_heads * c.dim_per_head * _size(dt), "bits"),
         (lambda c, dt: 2 * c.num_layers * c.kv_heads * c.dim_per_head, "bytes per element"),
-        (lambda c, dt: "lots", "number of bytes"),
+        (lambda c, dt: "lots", "Python int"),
+        (lambda c, dt: 2 * c.num_layers * c.kv_heads * c.dim_per_head * torch.finfo(dt).bits / 8, "int"),  # a float
+        (lambda c, dt: 2 * c.num_layers * c.num_kv_heads * c.dim_per_head * _size(dt), "kv_heads"),  # None for MHA
+        (lambda c, dt: torch.tensor(attention.kv_bytes_per_token(c, dt)), "int"),
     ],
 )
 def test_kv_bytes_per_token_rejects_typical_mistakes(wrong, hint):
@@ -92,6 +112,47 @@ def _normalised_each_block(m, s, acc, scores, values):
     return new_m, new_s, new_acc / new_s[..., None]
 
 
+def plain_update(m, s, acc, scores, values):
+    """An independent right answer: the new max first, then both rescaled with one factor."""
+    block_max = scores.max(dim=-1).values
+    new_m = torch.where(block_max > m, block_max, m)
+    alpha = (m - new_m).exp()
+    weights = (scores - new_m.unsqueeze(-1)).exp()
+    return new_m, alpha * s + weights.sum(-1), alpha.unsqueeze(-1) * acc + torch.matmul(weights, values)
+
+
+def test_online_softmax_update_accepts_an_independent_solution(capsys):
+    checks.online_softmax_update(plain_update)
+    assert "✓ online_softmax_update" in capsys.readouterr().out
+
+
+def _updates_state_in_place(m, s, acc, scores, values):
+    new_m = torch.maximum(m, scores.amax(-1))
+    c = torch.exp(m - new_m)
+    p = torch.exp(scores - new_m[..., None])
+    s.mul_(c).add_(p.sum(-1))
+    acc.mul_(c[..., None]).add_(p @ values)
+    return new_m, s, acc
+
+
+def _overflows(m, s, acc, scores, values):  # shifts by the block max only after exponentiating
+    new_m = torch.maximum(m, scores.amax(-1))
+    p = torch.exp(scores) * torch.exp(-new_m)[..., None]
+    c = torch.exp(m - new_m)
+    return new_m, s * c + p.sum(-1), acc * c[..., None] + p @ values
+
+
+def _first_batch_only(m, s, acc, scores, values):  # written for [B, q, k]: amax over dim 2
+    new_m = torch.maximum(m, scores.amax(dim=2) if scores.dim() == 3 else scores.amax(dim=2)[..., 0, :])
+    c = torch.exp(m - new_m)
+    p = torch.exp(scores - new_m[..., None])
+    return new_m, s * c + p.sum(-1), acc * c[..., None] + p @ values
+
+
+def _float64_always(m, s, acc, scores, values):
+    return tuple(t.double() for t in attention.online_softmax_update(m, s, acc, scores, values))
+
+
 @pytest.mark.parametrize(
     "wrong,hint",
     [
@@ -100,7 +161,11 @@ def _normalised_each_block(m, s, acc, scores, values):
         (_block_max_only, "new max is max"),
         (_unshifted, "overflow|rescale"),
         (_normalised_each_block, "rescale the old acc"),
-        (lambda m, s, acc, scores, values: (m, s), "all three"),
+        (lambda m, s, acc, scores, values: (m, s), "return new_max"),
+        (_updates_state_in_place, "return new tensors"),
+        (_overflows, "709.8"),
+        (_first_batch_only, "RuntimeError"),
+        (_float64_always, "dtype"),
     ],
 )
 def test_online_softmax_update_rejects_typical_mistakes(wrong, hint):

@@ -20,15 +20,72 @@ def test_adamw_bytes_accepts_reference(capsys):
     (lambda n: 16 * n + 1, "add bytes"),
     (lambda n: "16N", "return an int"),
     (lambda n: 1 / 0, "ZeroDivisionError"),
+    (lambda n: 16.0 * n, "integer arithmetic"),  # a float
+    (lambda n: n * 128 / 8, "integer arithmetic"),  # bits / 8 is a float too
 ])
 def test_adamw_bytes_rejects_mistakes(wrong, hint):
     with pytest.raises(CheckFailed, match=hint):
         checks.adamw_mixed_precision_bytes(wrong)
 
 
+def plain_ring_step(buffers, step):
+    """An independent right answer: who receives what, computed from the receiver's side."""
+    n = len(buffers)
+    out = [[chunk.clone() for chunk in rank] for rank in buffers]
+    for receiver in range(n):
+        sender = (receiver - 1) % n
+        chunk = ring_chunk(sender, step, n)
+        incoming = buffers[sender][chunk]
+        out[receiver][chunk] = buffers[receiver][chunk] + incoming if step < n - 1 else incoming.clone()
+    return out
+
+
 def test_ring_step_accepts_reference(capsys):
     checks.ring_allreduce_step(ring_allreduce_step)
-    assert "✓ ring_allreduce_step" in capsys.readouterr().out
+    checks.ring_allreduce_step(plain_ring_step)
+    assert capsys.readouterr().out.count("✓ ring_allreduce_step") == 2
+
+
+def _shallow_copy(buffers, step):  # the untouched chunks are the input's own tensors
+    n = len(buffers)
+    new = [list(b) for b in buffers]
+    for sender in range(n):
+        c, receiver = ring_chunk(sender, step, n), (sender + 1) % n
+        new[receiver][c] = buffers[receiver][c] + buffers[sender][c] if step < n - 1 else buffers[sender][c] * 1
+    return new
+
+
+def _forwards_without_copy(buffers, step):  # all-gather hands the sender's tensor itself to the receiver
+    n = len(buffers)
+    new = [[c.clone() for c in b] for b in buffers]
+    for sender in range(n):
+        c, receiver = ring_chunk(sender, step, n), (sender + 1) % n
+        new[receiver][c] = buffers[receiver][c] + buffers[sender][c] if step < n - 1 else buffers[sender][c]
+    return new
+
+
+def _sums_in_fp32(buffers, step):
+    return [[c.float() for c in b] for b in ring_allreduce_step(buffers, step)]
+
+
+def _only_three_ranks(buffers, step):  # a schedule hard-coded for the notebook's 3-rank example
+    n = len(buffers)
+    new = [[c.clone() for c in b] for b in buffers]
+    for sender in range(n):
+        c, receiver = (sender - step) % 3 % n, (sender + 1) % n
+        new[receiver][c] = buffers[receiver][c] + buffers[sender][c] if step < n - 1 else buffers[sender][c].clone()
+    return new
+
+
+@pytest.mark.parametrize("wrong,hint", [
+    (_shallow_copy, "shares its memory"),
+    (_forwards_without_copy, "shares its memory"),
+    (_sums_in_fp32, "dtype"),
+    (_only_three_ranks, "chunk"),
+])
+def test_ring_step_rejects_realistic_mistakes(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks.ring_allreduce_step(wrong)
 
 
 def _ring_variant(add_in_gather=False, overwrite_in_reduce=False, direction=1, chunk_offset=0, in_place=False):
@@ -61,15 +118,21 @@ def test_ring_step_rejects_mistakes(kwargs, hint):
 
 def test_gradient_collective_accepts_reference(capsys):
     checks.gradient_collective(gradient_collective)
-    assert "✓ gradient_collective" in capsys.readouterr().out
+    # ZeRO-1 may reduce-scatter the gradients too (ZeRO paper, section 7.2.1): both are accepted, with a note
+    checks.gradient_collective(lambda s: "all_reduce" if s == "ddp" else "reduce_scatter")
+    checks.gradient_collective(lambda s: "all_reduce" if s == "ddp" else "reduce_scatter_tensor")
+    out = capsys.readouterr().out
+    assert out.count("✓ gradient_collective") == 3
+    assert "ZeRO-1 with all_reduce" in out and "ZeRO-1 with reduce_scatter" in out
 
 
-@pytest.mark.parametrize("wrong", [
-    lambda s: "all_reduce",  # ZeRO-2/3 reduce-scatter
-    lambda s: {"ddp": "all_gather"}.get(s, gradient_collective(s)),
-    lambda s: "allreduce" if s == "ddp" else gradient_collective(s),
-    lambda s: "reduce_scatter" if s == "zero1" else gradient_collective(s),
+@pytest.mark.parametrize("wrong,hint", [
+    (lambda s: "all_reduce", "ZeRO-2"),  # ZeRO-2/3 reduce-scatter
+    (lambda s: {"ddp": "all_gather"}.get(s, gradient_collective(s)), "full averaged gradient"),
+    (lambda s: "allreduce" if s == "ddp" else gradient_collective(s), "torch.distributed's names"),
+    (lambda s: "all_gather" if s == "zero1" else gradient_collective(s), "ZeRO-1 shards"),
+    (lambda s: __import__("torch").distributed.all_reduce, "a str"),
 ])
-def test_gradient_collective_rejects_mistakes(wrong):
-    with pytest.raises(CheckFailed, match="expected"):
+def test_gradient_collective_rejects_mistakes(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
         checks.gradient_collective(wrong)

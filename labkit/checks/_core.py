@@ -49,3 +49,115 @@ def assert_close(got: torch.Tensor, expected: torch.Tensor, tried: str, hint: st
 
 def passed(name: str, detail: str) -> None:
     print(f"✓ {name}: {detail}")
+
+
+# ----------------------------------------------------------------------------- shared grader helpers
+MUTATION_HINT = ("work on new tensors: an in-place op (x -= m, x.clamp_(...), x.exp_(), out= ...) changes the "
+                 "caller's tensor")
+
+
+def other_device(fallback: str | None = "meta") -> str | None:
+    """A device other than the CPU to try: ``"cuda"`` when it exists, else ``fallback`` (``"meta"``
+    holds shapes and dtypes but no values, enough to see whether a result lands where it was asked)."""
+    return "cuda" if torch.cuda.is_available() else fallback
+
+
+def copy_of(value):
+    """A deep copy of tensors, numpy arrays and (nested) lists/tuples/dicts of them."""
+    import numpy as np
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().requires_grad_(value.requires_grad) if value.is_leaf else value.detach().clone()
+    if isinstance(value, np.ndarray):
+        return value if not value.flags.writeable else np.array(value, copy=True)  # read-only: nothing can change it
+    if isinstance(value, (list, tuple)):
+        return type(value)(copy_of(v) for v in value)
+    if isinstance(value, dict):
+        return {k: copy_of(v) for k, v in value.items()}
+    return value
+
+
+def same_values(a, b) -> bool:
+    """Exact equality of (nested) tensors/arrays, NaN equal to NaN; meta tensors compare shape and dtype."""
+    import numpy as np
+
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+            return False
+        if a.device.type == "meta":
+            return True
+        a, b = a.detach(), b.detach()
+        if a.is_floating_point() or a.is_complex():
+            return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+        return torch.equal(a, b)
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_values(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_values(a[k], b[k]) for k in a)
+    return a == b
+
+
+def call_on_copies(fn, tried: str, *args, hint: str = "run that call yourself and read the traceback",
+                   mutation_hint: str = MUTATION_HINT, return_inputs: bool = False, **kwargs):
+    """Call ``fn`` on copies of ``args`` (the grader keeps the originals for its reference) and fail
+    if the call changed any of them. With ``return_inputs=True`` returns ``(result, copies)``, the
+    objects ``fn`` received (to check that the result does not alias them)."""
+    copies = [copy_of(a) for a in args]
+    result = call(fn, tried, *copies, hint=hint, **kwargs)
+    for i, (original, passed_in) in enumerate(zip(args, copies)):
+        if not same_values(original, passed_in):
+            fail(tried, f"argument {i + 1} was modified by the call", "the inputs left as they were", mutation_hint)
+    return (result, copies) if return_inputs else result
+
+
+def storages(value) -> set:
+    """The storage addresses of every tensor in a (nested) list/tuple/dict of tensors."""
+    if isinstance(value, torch.Tensor):
+        return {value.untyped_storage().data_ptr()} if value.device.type != "meta" else set()
+    if isinstance(value, (list, tuple)):
+        return set().union(*(storages(v) for v in value)) if value else set()
+    if isinstance(value, dict):
+        return storages(list(value.values()))
+    return set()
+
+
+def results(value, names: tuple[str, ...], tried: str, kind=torch.Tensor) -> tuple:
+    """Check that ``value`` is a tuple (or list) of ``len(names)`` ``kind`` objects and return it as a tuple."""
+    if len(names) > 1 and (not isinstance(value, (tuple, list)) or len(value) != len(names)):
+        got = "None" if value is None else f"a {type(value).__name__}" + (f" of length {len(value)}" if isinstance(value, (tuple, list)) else "")
+        fail(tried, got, f"a tuple ({', '.join(names)})",
+             "your function returned None: did you forget `return`?" if value is None else f"return {', '.join(names)}")
+    value = tuple(value) if len(names) > 1 else (value,)
+    for name, v in zip(names, value):
+        if v is None:
+            fail(tried, f"{name} is None", f"a {kind.__name__}", "did you forget to `return` it?")
+        if not isinstance(v, kind):
+            fail(tried, f"{name} is a {type(v).__name__}", f"a {kind.__name__}", f"return {name} as a {kind.__name__}")
+    return value
+
+
+def expect_device(t: torch.Tensor, device, name: str, tried: str, hint: str = "") -> None:
+    want = torch.device(device)
+    if t.device.type != want.type or (want.index is not None and t.device.index != want.index):
+        fail(tried, f"{name} on {t.device}", f"{name} on {want}",
+             hint or "create the result on the input's (or the requested) device: pass device=... to new tensors, "
+                     "or call .to(device) before returning")
+
+
+def expect_dtype(t: torch.Tensor, dtype, name: str, tried: str, hint: str) -> None:
+    if t.dtype != dtype:
+        fail(tried, f"{name} of dtype {t.dtype}", f"{name} of dtype {dtype}", hint)
+
+
+def expect_new_buffer(out: torch.Tensor, inputs, name: str, tried: str, hint: str) -> None:
+    """Fail if ``out`` shares storage with any tensor in ``inputs`` (a tensor or nested lists of them)."""
+    if isinstance(out, torch.Tensor) and out.device.type != "meta" and out.untyped_storage().data_ptr() in storages(inputs):
+        fail(tried, f"{name} shares its memory with an input tensor", f"{name} in a new buffer", hint)
+
+
+def expect_differentiable(out: torch.Tensor, name: str, tried: str, hint: str) -> None:
+    if not out.requires_grad:
+        fail(tried, f"{name} with requires_grad=False (no autograd graph back to the inputs)",
+             f"a {name} that .backward() can flow through", hint)

@@ -7,7 +7,7 @@ import random
 import torch
 
 from labkit import precision as P
-from labkit.checks._core import call, fail, passed
+from labkit.checks._core import call, call_on_copies, fail, other_device, passed
 
 __all__ = ["decode_e4m3", "format_range", "update_scale", "amax_scale"]
 
@@ -71,18 +71,45 @@ def _random_formats(rng: random.Random, count: int) -> list[P.FloatFormat]:
     return formats
 
 
+class FormatFields:
+    """What the grader hands ``fn``: only the fields a format is defined by. Its derived values
+    (``max``, ``min_normal``, ...) are what the learner computes, so reading them fails."""
+
+    __slots__ = ("name", "exponent_bits", "mantissa_bits", "bias", "specials")
+
+    def __init__(self, fmt: P.FloatFormat):
+        for field in self.__slots__:
+            object.__setattr__(self, field, getattr(fmt, field))
+
+    def __getattr__(self, attr):
+        raise AttributeError(f"this format exposes only name, exponent_bits, mantissa_bits, bias and specials, not "
+                             f"{attr!r}: compute the range from those fields")
+
+    def __setattr__(self, attr, value):
+        raise AttributeError("the format is read-only")
+
+    def __repr__(self):
+        return (f"FloatFormat({self.name!r}, exponent_bits={self.exponent_bits}, mantissa_bits={self.mantissa_bits}, "
+                f"bias={self.bias}, specials={self.specials!r})")
+
+
 def format_range(fn) -> None:
-    """Grade ``fn(fmt: FloatFormat) -> (max, min_normal, min_subnormal)`` on the built-in formats
-    and random custom ones (every kind of inf/NaN encoding)."""
-    formats = list(P.FORMATS.values()) + _random_formats(random.Random(0), 40)
+    """Grade ``fn(fmt) -> (max, min_normal, min_subnormal)`` on the built-in formats, an fp64-like one
+    (11 exponent bits: 2^1023 overflows fp32 arithmetic) and random custom ones (every kind of
+    inf/NaN encoding). ``fmt`` exposes only ``exponent_bits``, ``mantissa_bits``, ``bias``,
+    ``specials`` (and ``name``)."""
+    formats = (list(P.FORMATS.values()) + [P.FloatFormat("e11m50", 11, 50, 1023, "ieee"), P.FloatFormat("e2m1_ieee", 2, 1, 1, "ieee")]
+               + _random_formats(random.Random(0), 40))
     hints = {
         "ieee": "an 'ieee' format reserves the all-ones exponent for inf/NaN, so the largest finite value has exponent field 2^e - 2 and all mantissa bits set",
         "nan_only": "in a 'nan_only' format (like E4M3FN) only all-ones exponent AND all-ones mantissa is NaN: the max has exponent field 2^e - 1 and mantissa 2^m - 2",
         "finite": "a 'finite' format has no inf/NaN: the max has every exponent and mantissa bit set",
     }
     for fmt in formats:
-        tried = f"fn(FloatFormat({fmt.name!r}, exponent_bits={fmt.exponent_bits}, mantissa_bits={fmt.mantissa_bits}, bias={fmt.bias}, specials={fmt.specials!r}))"
-        result = call(fn, tried, fmt)
+        fields = FormatFields(fmt)
+        tried = f"format_range({fields!r})"
+        result = call(fn, tried, fields, hint="the grader's format has only the fields exponent_bits, mantissa_bits, bias "
+                                              "and specials (reading fmt.max would skip the exercise): compute from them")
         if not isinstance(result, (tuple, list)) or len(result) != 3:
             fail(tried, repr(result), "a tuple (max, min_normal, min_subnormal)", NO_RETURN_HINT if result is None else "return three numbers")
         got = [_number(v, tried) for v in result]
@@ -92,8 +119,11 @@ def format_range(fn) -> None:
             ("min_subnormal", got[2], fmt.min_subnormal, "the smallest subnormal is one mantissa step above 0: 2^(1 - bias - mantissa_bits)"),
         ):
             if not _same(g, e):
+                if not math.isfinite(g) or (g == 0 and e != 0):
+                    hint = (f"{name} = {e!r} is a finite, non-zero float64: compute in Python floats (2.0 ** k), not in "
+                            "float32 tensors (which overflow beyond 3.4e38 and flush below 1e-45)")
                 fail(tried, f"{name} = {g!r}", f"{name} = {e!r}", hint)
-    passed("format_range", f"max, min_normal and min_subnormal right for {len(formats)} formats")
+    passed("format_range", f"max, min_normal and min_subnormal right for {len(formats)} formats, computed from the fields")
 
 
 # ----------------------------------------------------------------------------- one loss-scale decision
@@ -115,6 +145,11 @@ def update_scale(fn) -> None:
          "use the growth_factor argument, not a hard-coded 2"),
         ((3.0, 0, True), dict(growth_factor=4.0, backoff_factor=0.25, growth_interval=1),
          "use the backoff_factor argument, not a hard-coded 0.5"),
+        ((2.0**1023, 4, False), dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=5),
+         "the grown scale 2^1024 is inf: keep the old scale when growing would overflow (GradScaler takes the new "
+         "scale only if it is finite), and still reset the counter to 0"),
+        ((2.0**-1000, 0, True), dict(growth_factor=2.0, backoff_factor=2.0**-30, growth_interval=5),
+         "an overflow multiplies the scale by backoff_factor, however small the scale already is"),
     ]
     for args, kwargs, hint in cases:
         tried = f"fn{args} with {kwargs}"
@@ -137,6 +172,9 @@ def _check_decision(fn, args, kwargs, tried, hint):
         fail(tried, repr(result), "a tuple (new_scale, new_growth_tracker)",
              NO_RETURN_HINT if result is None else "return both the scale and the counter")
     expected = P.update_scale(*args, **kwargs)
+    if isinstance(result[1], bool) or not isinstance(result[1], int):
+        fail(tried, f"new_growth_tracker = {result[1]!r} (a {type(result[1]).__name__})", f"the int {expected[1]}",
+             "the growth tracker counts good steps: return a Python int")
     got = (_number(result[0], tried), result[1])
     if not _same(got[0], expected[0]) or got[1] != expected[1]:
         fail(tried, got, expected, hint)
@@ -148,6 +186,8 @@ def amax_scale(fn) -> None:
     """Grade ``fn(x, fmt, margin=0) -> float``: the per-tensor scale that maps max |x| to the
     format's max (``x / scale`` is what gets stored)."""
     g = torch.Generator().manual_seed(0)
+    spiky = torch.randn(2, 3, 4, 5, generator=g)
+    spiky[1, 2, 3, 4] = -50.0
     cases = [
         (torch.randn(64, 32, generator=g) * 3, "fp8_e4m3", 0,
          "scale = amax / fmt.max: dividing x by it puts the largest |x| exactly on the format's max"),
@@ -159,11 +199,26 @@ def amax_scale(fn) -> None:
         (torch.zeros(10), "fp8_e4m3", 0, "an all-zero tensor has no amax to map: return scale 1.0 instead of dividing 0 by max"),
         (torch.tensor([1.0, math.inf, math.nan, -3.0]), "fp8_e4m3", 0,
          "inf/NaN entries must not set the scale: take amax over the finite entries (torch.isfinite)"),
-    ]
+        (torch.tensor([math.inf, -math.inf, math.nan]), "fp8_e4m3", 0,
+         "no finite entry at all: like an all-zero tensor, return 1.0 (the max of an empty selection raises)"),
+        (spiky, "fp8_e4m3", 1, "amax over every entry of a rank-4 tensor, not along one dim"),
+        ((torch.randn(3, 2, 2, 2, 5, generator=g) * 2e4).clamp(-6e4, 6e4).half(), "fp8_e5m2", 0,
+         "an fp16 tensor: take amax in fp32 (x.float()) and return a Python float"),
+        ((torch.randn(40, generator=g) * 1e30).bfloat16(), "fp8_e4m3", 0,
+         "a bf16 tensor with |x| ~ 1e30: amax / fmt.max, computed in fp32 or Python floats"),
+        (torch.randn(40, generator=g) * 1e-30, "fp8_e4m3", 3, "a tiny tensor (|x| ~ 1e-30): the scale is tiny too, not 0"),
+    ] + [(torch.randn(16, generator=g) * 5, name, 0, f"use {name}'s own max") for name in P.FORMATS]
+    device = other_device(None)
+    if device is not None:
+        cases.append((torch.randn(8, 8, generator=g).to(device), "fp8_e5m2", 1, "x on the GPU: .item() brings amax back as a float"))
     for x, fmt, margin, hint in cases:
-        tried = f"fn(x of shape {tuple(x.shape)} with amax {P.finite_amax(x):.4g}, {fmt!r}, margin={margin})"
-        got = _number(call(fn, tried, x.clone(), fmt, margin), tried)
+        tried = (f"amax_scale(x of shape {tuple(x.shape)} in {x.dtype}{' on ' + str(x.device) if x.device.type != 'cpu' else ''} "
+                 f"with finite amax {P.finite_amax(x):.4g}, {fmt!r}, margin={margin})")
+        got = _number(call_on_copies(fn, tried, x, fmt, margin, hint=hint,
+                                     mutation_hint="do not change x (x.abs_(), x[~finite] = 0, x.nan_to_num_()): the "
+                                                   "caller still needs it; work on x.abs() or a copy"), tried)
         expected = P.amax_scale(x, fmt, margin)
         if not _same(got, expected, rel=1e-6):
             fail(tried, got, expected, hint)
-    passed("amax_scale", "per-tensor scales right, with margin, zeros and inf/NaN entries")
+    passed("amax_scale", "per-tensor scales right for every format, fp32/fp16/bf16 and rank-1 to rank-5 inputs, "
+                        "with margin, zeros, inf/NaN entries and tiny or huge values")

@@ -5,15 +5,17 @@ import torch
 
 from labkit import attention as _attention
 from labkit import nn as _nn
-from labkit.checks._core import as_tensor, assert_close, call, fail, passed
+from labkit.checks._core import (as_tensor, assert_close, call, call_on_copies, expect_device, fail, other_device, passed,
+                                 results)
 from labkit.model import PRESETS, ModelConfig
 
 __all__ = ["causal_mask", "kv_bytes_per_token", "online_softmax_update"]
 
 
 def causal_mask(fn) -> None:
-    """Grade ``fn(num_queries, num_keys) -> bool [num_queries, num_keys]``, bottom-right aligned."""
-    for num_q, num_k in [(4, 4), (1, 6), (3, 7), (6, 6), (2, 9), (1, 1)]:
+    """Grade ``fn(num_queries, num_keys) -> bool [num_queries, num_keys]``, bottom-right aligned, for
+    square, decode (1 query), ``Nq < Nk``, ``Nq > Nk`` (the first queries see no key) and long masks."""
+    for num_q, num_k in [(4, 4), (1, 6), (3, 7), (6, 6), (2, 9), (1, 1), (5, 3), (4, 1), (300, 300), (1, 513), (257, 600)]:
         tried = f"causal_mask({num_q}, {num_k})"
         got = as_tensor(call(fn, tried, num_q, num_k), tried)
         expected = _nn.causal_mask(num_q, num_k)
@@ -25,6 +27,10 @@ def causal_mask(fn) -> None:
             continue
         if torch.equal(got, ~expected):
             hint = "the mask is inverted: True must mean 'may attend' (torch's convention)"
+        elif num_q > num_k and torch.equal(got, torch.ones(num_q, num_k, dtype=torch.bool).tril()):
+            hint = ("with more queries than keys the keys are the LAST num_keys positions: query i sees keys "
+                    "j <= i + (num_keys - num_queries), a negative offset, so the first queries see no key at all "
+                    "(do not clamp the offset at 0)")
         elif torch.equal(got, torch.ones(num_q, num_k, dtype=torch.bool).tril()):
             hint = ("this is top-left aligned; with fewer queries than keys the queries are the LAST "
                     "positions, so query i sees keys j <= i + num_keys - num_queries")
@@ -32,24 +38,33 @@ def causal_mask(fn) -> None:
             hint = "a token must be allowed to attend to itself: use <=, not <"
         else:
             hint = "query i may attend to keys j <= i + (num_keys - num_queries)"
+        bad = (got != expected).nonzero()[0].tolist()
+        if num_q * num_k > 100:
+            fail(tried, f"mask[{bad[0]}, {bad[1]}] = {bool(got[bad[0], bad[1]])}", f"{bool(expected[bad[0], bad[1]])}", hint)
         fail(tried, f"\n{got.int()}", f"\n{expected.int()}", hint)
-    passed("causal_mask", "bottom-right aligned for square, decode (1 query) and Nq < Nk masks")
+    passed("causal_mask", "bottom-right aligned for square, decode (1 query), Nq < Nk, Nq > Nk and 600-key masks")
 
 
 def kv_bytes_per_token(fn) -> None:
     """Grade ``fn(config: ModelConfig, dtype: torch.dtype) -> int``: KV-cache bytes per token."""
     custom = ModelConfig(vocab_size=1000, context_length=128, d_model=512, num_layers=6, num_heads=8, num_kv_heads=2,
                          head_dim=96, d_ff=1024)  # head_dim != d_model / num_heads on purpose
-    cases = [("qwen3-8b", PRESETS["qwen3-8b"], torch.bfloat16), ("llama2-7b", PRESETS["llama2-7b"], torch.float16),
+    cases = [("qwen3-8b", PRESETS["qwen3-8b"], torch.bfloat16), ("llama2-7b (MHA: num_kv_heads=None)", PRESETS["llama2-7b"], torch.float16),
              ("gemma-2b", PRESETS["gemma-2b"], torch.float32), ("llama2-70b", PRESETS["llama2-70b"], torch.float8_e4m3fn),
+             ("llama3-8b (head_dim=None)", PRESETS["llama3-8b"], torch.float8_e5m2), ("qwen3-8b", PRESETS["qwen3-8b"], torch.int8),
+             ("gemma-2b", PRESETS["gemma-2b"], torch.float64),
              ("custom (head_dim=96, d_model=512, 8 heads, 2 KV heads)", custom, torch.bfloat16)]
     for name, config, dtype in cases:
         tried = f"kv_bytes_per_token({name}, {dtype})"
-        got = call(fn, tried, config, dtype)
-        if isinstance(got, torch.Tensor) and got.numel() == 1:
-            got = got.item()
-        if not isinstance(got, (int, float)):
-            fail(tried, f"a {type(got).__name__}", "an int (bytes)", "return a plain number of bytes")
+        got = call(fn, tried, config, dtype,
+                   hint="use config.kv_heads and config.dim_per_head (config.num_kv_heads and config.head_dim may be "
+                        "None, meaning 'as many as the query heads' and 'd_model / num_heads'), and "
+                        "torch.empty((), dtype=dtype).element_size() (torch.finfo fails for integer dtypes like int8)")
+        if isinstance(got, bool) or not isinstance(got, int):
+            kind = f"a {type(got).__name__}" + (f" ({got!r})" if isinstance(got, float) else "")
+            fail(tried, kind, "a Python int (bytes)",
+                 "bytes are a whole number: return an int, e.g. with element_size() (an int) rather than bits / 8 "
+                 "(a float) or a tensor")
         expected = _attention.kv_bytes_per_token(config, dtype)
         if got == expected:
             continue
@@ -65,36 +80,60 @@ def kv_bytes_per_token(fn) -> None:
         ]
         hint = " or ".join(h for value, h in mistakes if value == got and value != expected)
         fail(tried, got, expected, hint or "2 (K and V) x layers x KV heads x head_dim x bytes per element")
-    passed("kv_bytes_per_token", "MHA, GQA and MQA models in fp32/fp16/bf16/fp8")
+    passed("kv_bytes_per_token", "MHA, GQA and MQA models in fp64/fp32/fp16/bf16/fp8/int8, as an int")
 
 
 def online_softmax_update(fn) -> None:
-    """Grade ``fn(running_max, running_sum, acc, scores, values) -> (new_max, new_sum, new_acc)``."""
+    """Grade ``fn(running_max, running_sum, acc, scores, values) -> (new_max, new_sum, new_acc)``:
+    three blocks folded one by one, leading shapes ``[B]`` and ``[B, H]``, float64 and float32,
+    blocks of up to 300 keys, masked keys, a later block with every key of a row masked, scores
+    up to about ±1200 (exp overflows float64 beyond ~709.8), on CUDA when there is one; the state
+    passed in must not change."""
     gen = torch.Generator().manual_seed(3)
-    for rows, block, dim, magnitude in [(3, 4, 5, 1.0), (1, 7, 2, 3.0), (4, 5, 3, 400.0)]:
-        scores = torch.randn(2, rows, 3 * block, generator=gen, dtype=torch.float64) * magnitude
-        values = torch.randn(2, 3 * block, dim, generator=gen, dtype=torch.float64)
-        scores[0, 0, block + 1] = float("-inf")  # a masked key
-        state = (torch.full((2, rows), float("-inf"), dtype=torch.float64),
-                 torch.zeros(2, rows, dtype=torch.float64), torch.zeros(2, rows, dim, dtype=torch.float64))
+    device = other_device(None)
+    specs = [((2,), 3, 4, 5, 1.0, torch.float64, "cpu"), ((2,), 1, 7, 2, 3.0, torch.float64, "cpu"),
+             ((2,), 4, 5, 3, 400.0, torch.float64, "cpu"), ((2, 3), 5, 6, 4, 2.0, torch.float32, "cpu"),
+             ((1, 2), 3, 300, 8, 5.0, torch.float32, "cpu"), ((2,), 2, 8, 3, 30.0, torch.float32, "cpu")]
+    if device is not None:
+        specs.append(((2, 2), 4, 64, 16, 3.0, torch.float32, device))
+    names = ("new_max", "new_sum", "new_acc")
+    hints = ("the new max is max(running_max, max of this block's scores)",
+             "rescale the old sum by exp(running_max - new_max), then add sum(exp(scores - new_max))",
+             "rescale the old acc by exp(running_max - new_max), then add exp(scores - new_max) @ values")
+    for lead, rows, block, dim, magnitude, dtype, dev in specs:
+        scores = (torch.randn(*lead, rows, 3 * block, generator=gen, dtype=torch.float64) * magnitude).to(dtype)
+        values = torch.randn(*lead, 3 * block, dim, generator=gen, dtype=torch.float64).to(dtype)
+        first = (0,) * len(lead)
+        scores[first + (0, block + 1)] = float("-inf")  # a masked key
+        scores[first + (rows - 1, slice(2 * block, 3 * block))] = float("-inf")  # a whole block masked for one row
+        scores, values = scores.to(dev), values.to(dev)
+        state = (torch.full((*lead, rows), float("-inf"), dtype=dtype, device=dev),
+                 torch.zeros(*lead, rows, dtype=dtype, device=dev), torch.zeros(*lead, rows, dim, dtype=dtype, device=dev))
+        tol = dict(rtol=1e-9, atol=1e-9) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+        peak = scores[torch.isfinite(scores)].abs().max().item()
         for b in range(3):
             cols = slice(b * block, (b + 1) * block)
-            tried = (f"online_softmax_update(state after {b} block(s), scores [2, {rows}, {block}] "
-                     f"(|scores| ~ {magnitude}, one -inf), values [2, {block}, {dim}])")
-            got = call(fn, tried, *(t.clone() for t in state), scores[..., cols], values[:, cols])
-            if not isinstance(got, (tuple, list)) or len(got) != 3:
-                fail(tried, type(got).__name__, "a tuple (new_max, new_sum, new_acc)", "return all three running quantities")
-            expected = _attention.online_softmax_update(*state, scores[..., cols], values[:, cols])
-            names = ("new_max", "new_sum", "new_acc")
-            hints = ("the new max is max(running_max, max of this block's scores)",
-                     "rescale the old sum by exp(running_max - new_max), then add sum(exp(scores - new_max))",
-                     "rescale the old acc by exp(running_max - new_max), then add exp(scores - new_max) @ values")
-            if magnitude > 100 and any(not torch.isfinite(as_tensor(g, tried)).all() for g in got[1:]):
+            shape = lambda *tail: "[" + ", ".join(str(n) for n in (*lead, *tail)) + "]"  # noqa: E731
+            tried = (f"online_softmax_update(state after {b} block(s), scores {shape(rows, block)} in {dtype}"
+                     f"{' on ' + str(dev) if dev != 'cpu' else ''} (|scores| up to {peak:.0f}"
+                     f"{', one -inf' if b == 1 else ', every key of the last row -inf' if b == 2 else ''}), "
+                     f"values {shape(block, dim)})")
+            got = call_on_copies(fn, tried, *state, scores[..., cols], values[..., cols, :],
+                                 mutation_hint="return new tensors: updating the state passed in (acc.mul_(...), "
+                                               "running_sum += ...) changes the caller's copy, which FlashAttention "
+                                               "may still need")
+            got = results(got, names, tried)
+            expected = _attention.online_softmax_update(*state, scores[..., cols], values[..., cols, :])
+            for name, g in zip(names, got):
+                expect_device(g, dev, name, tried)
+            if any(not torch.isfinite(g).all() for g in got[1:]):
                 fail(tried, "inf or NaN", "finite values",
-                     "exponentiate scores minus the running max (exp(400) overflows even in float64)")
+                     f"exponentiate scores minus the running max: these scores reach {peak:.0f}, and exp overflows "
+                     "beyond ~709.8 in float64 (~88.7 in float32); every shifted exponent must be <= 0")
             for name, g, e, hint in zip(names, got, expected, hints):
-                assert_close(g, e, f"{tried} -> {name}", hint, rtol=1e-9, atol=1e-9)
+                assert_close(g, e, f"{tried} -> {name}", hint, **tol)
             state = expected
         final = state[2] / state[1][..., None]
-        assert_close(final, torch.softmax(scores, dim=-1) @ values, "acc / sum after all blocks", "", rtol=1e-9, atol=1e-9)
-    passed("online_softmax_update", "three blocks folded, masked keys, scores up to 400 without overflow")
+        assert_close(final, torch.softmax(scores, dim=-1) @ values, "acc / sum after all blocks", "", **tol)
+    passed("online_softmax_update", "three blocks folded for [B] and [B, H] leading shapes in fp64/fp32, masked keys "
+                                    "and blocks, 300-key blocks, scores up to ~1200 without overflow")
