@@ -1,0 +1,67 @@
+"""labkit.widgets.moe: the routing visualiser's plot, summary and callback (matplotlib's Agg backend), and the widget."""
+import labkit  # noqa: F401
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+
+from labkit import moe  # noqa: E402
+from labkit.widgets import moe as W  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    yield
+    plt.close("all")
+
+
+def test_plot_draws_loads_capacity_gates_and_the_balancing_curve():
+    data = moe.routing_explorer(8, 2, 1.0, 1.0, 2.0)
+    fig = W.plot_routing(data, title="t")
+    ax_load, ax_gates, ax_aux = fig.axes[:3]
+    bars = ax_load.patches
+    assert len(bars) == 3 * 8  # kept, dropped, before balancing: one bar each per expert
+    assert [b.get_height() for b in bars[:8]] == data["kept_per_expert"]
+    assert [b.get_height() for b in bars[8:16]] == data["dropped_per_expert"]
+    assert [b.get_height() for b in bars[16:]] == data["tokens_per_expert_before"]
+    assert any(list(line.get_ydata()) == [data["capacity"]] * 2 for line in ax_load.lines)
+    assert ax_gates.images[0].get_array().shape == tuple(data["gates"].shape)
+    assert list(ax_aux.lines[0].get_ydata()) == data["aux_loss_history"]
+    assert fig._suptitle.get_text() == "t"
+
+
+def test_plot_without_capacity_or_balancing():
+    data = moe.routing_explorer(4, 1, None, 0.0, 0.0)
+    fig = W.plot_routing(data)
+    ax_load, _, ax_aux = fig.axes[:3]
+    assert not ax_load.lines  # dropless: no capacity line
+    assert not ax_aux.axison and "balancing off" in ax_aux.texts[0].get_text()
+    assert sum(b.get_height() for b in ax_load.patches[4:8]) == 0  # nothing dropped
+
+
+def test_plot_rejects_other_data():
+    with pytest.raises(ValueError, match="routing_explorer"):
+        W.plot_routing({"tokens_per_expert": [1, 2]})
+
+
+def test_summary_reports_drops_and_balance():
+    data = moe.routing_explorer(8, 2, 0.5, 0.0, 3.0)
+    text = W.routing_summary(data)
+    assert f"capacity {data['capacity']} per expert" in text
+    assert f"dropped {sum(data['dropped_per_expert'])} assignments" in text and "max / mean load" in text
+    assert "dropless" in W.routing_summary(moe.routing_explorer(8, 2, None, 0.0, 0.0))
+
+
+def test_callback_plots_prints_and_returns_the_data(capsys):
+    data = W.show_routing(num_experts=4, top_k=8, capacity_factor=1.0, dropless=False, balance_weight=1.0, skew=2.0)
+    assert len(data["tokens_per_expert"]) == 4 and data["capacity"] is not None
+    assert sum(data["tokens_per_expert"]) == 512 * 4  # top_k clipped to the number of experts
+    assert "routed per expert" in capsys.readouterr().out
+    assert W.show_routing(dropless=True)["capacity"] is None
+
+
+def test_widget_builds():
+    assert W.routing_visualiser_widget() is not None
