@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from labkit import quant as Q
-from labkit.checks._core import call, fail, passed
+from labkit.checks._core import call_on_copies, fail, passed, results
 
 __all__ = ["quantize_symmetric", "quantize_asymmetric", "pack_int4", "unpack_int4", "nearest_level"]
 
@@ -26,31 +26,16 @@ TIE = 1e-3  # |fraction - 0.5| below this counts as a tie, where either neighbou
 
 
 # ----------------------------------------------------------------------------- shared helpers
-def _results(got, count: int, names: str, tried: str) -> tuple:
-    if count == 1:
-        got = (got,)
-    elif not isinstance(got, (tuple, list)) or len(got) != count:
-        fail(tried, f"a {type(got).__name__}" + (f" of length {len(got)}" if isinstance(got, (tuple, list)) else ""),
-             f"a tuple {names}", f"return {names}")
-    for name, value in zip(names.strip("()").split(", "), got):
-        if value is None:
-            fail(tried, f"{name} is None", "a torch.Tensor", "did you forget to `return` it?")
-        if not isinstance(value, torch.Tensor):
-            fail(tried, f"{name} is a {type(value).__name__}", "a torch.Tensor", f"return {name} as a tensor")
-    return tuple(got)
+_MUTATION_HINT = ("work on new tensors: an in-place op (x /= s, x.round_(), ...) on x, or on x.float() of an fp32 x "
+                  "(which is x itself), changes the caller's tensor")
 
 
-def _call_twice(fn, tried: str, inputs: tuple, count: int, names: str) -> tuple:
+def _call_twice(fn, tried: str, inputs: tuple, names: str) -> tuple:
     """Call ``fn`` on copies of ``inputs`` twice; fail if it changes them or answers differently."""
-    copies = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in inputs)
-    first = _results(call(fn, tried, *copies), count, names, tried)
-    for original, copy in zip(inputs, copies):
-        if isinstance(original, torch.Tensor) and not torch.equal(original, copy):
-            fail(tried, "the input tensor was modified by the call", "the input unchanged",
-                 "work on new tensors: an in-place op (x /= s, x.round_(), ...) on x, or on x.float() of an fp32 x "
-                 "(which is x itself), changes the caller's tensor")
-    again = _results(call(fn, tried, *(t.clone() if isinstance(t, torch.Tensor) else t for t in inputs)), count, names, tried)
-    for name, a, b in zip(names.strip("()").split(", "), first, again):
+    labels = tuple(names.strip("()").split(", "))
+    first = results(call_on_copies(fn, tried, *inputs, mutation_hint=_MUTATION_HINT), labels, tried)
+    again = results(call_on_copies(fn, tried, *inputs, mutation_hint=_MUTATION_HINT), labels, tried)
+    for name, a, b in zip(labels, first, again):
         if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
             fail(tried + " (called twice)", f"a different {name} on the second call", "the same result for the same input",
                  "does your function keep state between calls, or depend on randomness?")
@@ -112,7 +97,7 @@ def _grade_quantize(fn, name: str, symmetric: bool) -> int:
         tried = f"{name}({tried})"
         q = Q.quantize(x, bits, symmetric, "channel", axis=axis)
         qmin, qmax = q.code_range
-        got = _call_twice(fn, tried, (x, bits, axis), 2 if symmetric else 3, names)
+        got = _call_twice(fn, tried, (x, bits, axis), names)
         codes, scale = got[0], got[1]
         _expect_dtype_shape(codes, "codes", code_dtype, x.shape, tried,
                             f"codes have x's shape, as {code_dtype} ({'signed' if symmetric else 'unsigned'} codes "
@@ -259,7 +244,7 @@ def pack_int4(fn) -> None:
     ]
     for tried, codes in cases:
         tried = f"pack_int4({tried})"
-        (packed,) = _call_twice(fn, tried, (codes,), 1, "(packed)")
+        (packed,) = _call_twice(fn, tried, (codes,), "(packed)")
         expected = Q.pack_int4(codes)
         _expect_dtype_shape(packed, "packed", torch.uint8, expected.shape, tried,
                             "two codes per byte: uint8 with the last dim halved")
@@ -290,7 +275,7 @@ def unpack_int4(fn) -> None:
     ]
     for tried, packed, signed in cases:
         tried = f"unpack_int4({tried})"
-        (codes,) = _call_twice(fn, tried, (packed, signed), 1, "(codes)")
+        (codes,) = _call_twice(fn, tried, (packed, signed), "(codes)")
         expected = Q.unpack_int4(packed, signed)
         _expect_dtype_shape(codes, "codes", expected.dtype, expected.shape, tried,
                             "two codes per byte: the last dim doubles; int8 if signed, else uint8")
@@ -327,7 +312,7 @@ def nearest_level(fn) -> None:
     ]
     for tried, x, levels in cases:
         tried = f"nearest_level({tried})"
-        (indices,) = _call_twice(fn, tried, (x, levels), 1, "(indices)")
+        (indices,) = _call_twice(fn, tried, (x, levels), "(indices)")
         if indices.dtype.is_floating_point:
             fail(tried, f"a {indices.dtype} tensor", "uint8 indices into levels",
                  "return the index of the nearest level (0 .. len(levels) - 1), not the level's value")
