@@ -112,6 +112,18 @@ def call_on_copies(fn, tried: str, *args, hint: str = "run that call yourself an
     return (result, copies) if return_inputs else result
 
 
+def call_twice(fn, tried: str, args: tuple, names: tuple[str, ...], mutation_hint: str = MUTATION_HINT) -> tuple:
+    """Call ``fn`` on copies of ``args`` twice (failing if it changes them); the results, checked to be
+    a tuple of ``names`` tensors, must agree bit for bit. Returns the first call's results."""
+    first = results(call_on_copies(fn, tried, *args, mutation_hint=mutation_hint), names, tried)
+    again = results(call_on_copies(fn, tried + " (called a second time)", *args, mutation_hint=mutation_hint), names, tried)
+    for name, a, b in zip(names, first, again):
+        if not same_values(a.detach(), b.detach()):
+            fail(tried + " (called twice)", f"a different {name} on the second call", "the same result for the same input",
+                 "does your function keep state between calls, or depend on randomness?")
+    return first
+
+
 def storages(value) -> set:
     """The storage addresses of every tensor in a (nested) list/tuple/dict of tensors."""
     if isinstance(value, torch.Tensor):

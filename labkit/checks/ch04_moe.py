@@ -20,20 +20,9 @@ import math
 import torch
 
 from labkit import experts as X
-from labkit.checks._core import call_on_copies, expect_differentiable, fail, passed, results, same_values
+from labkit.checks._core import call_on_copies, call_twice, expect_differentiable, fail, passed
 
 __all__ = ["top_k_routing", "load_balancing_loss", "dispatch_with_capacity"]
-
-
-def _twice(fn, tried: str, args: tuple, names: tuple[str, ...]) -> tuple:
-    """Call ``fn`` on copies of ``args`` twice (failing on mutation); the results must agree."""
-    first = results(call_on_copies(fn, tried, *args), names, tried)
-    again = results(call_on_copies(fn, tried + " (called a second time)", *args), names, tried)
-    for name, a, b in zip(names, first, again):
-        if not same_values(a.detach(), b.detach()):
-            fail(tried + " (called twice)", f"a different {name} on the second call", "the same result for the same input",
-                 "does your function keep state between calls, or depend on randomness?")
-    return first
 
 
 def _shape_dtype(value: torch.Tensor, name: str, dtype: torch.dtype, shape, tried: str, hint: str) -> None:
@@ -71,7 +60,7 @@ def top_k_routing(fn) -> None:
             tried = f"top_k_routing({tried_case}, normalize={normalize})"
             ref = X.top_k_gating(logits, k, normalize=normalize)
             T, E = logits.shape
-            index, gates = _twice(fn, tried, (logits, k, normalize), ("expert_index", "gates"))
+            index, gates = call_twice(fn, tried, (logits, k, normalize), ("expert_index", "gates"))
             _shape_dtype(index, "expert_index", torch.int64, (T, k), tried,
                          "expert_index: one row per token, top_k expert numbers, int64 (what torch.topk(...).indices gives)")
             _shape_dtype(gates, "gates", torch.float32, (T, k), tried,
@@ -166,9 +155,8 @@ def load_balancing_loss(fn) -> None:
     for tried_case, probs, index, alpha in _balance_cases():
         tried = f"load_balancing_loss({tried_case})"
         T, E = probs.shape
-        k = index.shape[1]
         leaf = probs.detach().clone().requires_grad_()
-        (loss,) = _twice(fn, tried, (leaf, index, alpha), ("loss",))
+        (loss,) = call_twice(fn, tried, (leaf, index, alpha), ("loss",))
         if loss.dim() != 0:
             fail(tried, f"a tensor of shape {tuple(loss.shape)}", "a 0-dim tensor (one number)",
                  "sum over the experts: alpha * E * (f * P).sum()")
@@ -270,7 +258,7 @@ def dispatch_with_capacity(fn) -> None:
         tried = f"dispatch_with_capacity({tried_case})"
         T, k = index.shape
         E = weight.shape[0]
-        out, kept = _twice(fn, tried, (x, index, gates, capacity, weight), ("out", "kept"))
+        out, kept = call_twice(fn, tried, (x, index, gates, capacity, weight), ("out", "kept"))
         _shape_dtype(kept, "kept", torch.bool, (T, k), tried, "kept: a bool tensor shaped like expert_index, True where the slot is computed")
         _shape_dtype(out, "out", x.dtype, x.shape, tried, "out: x's shape and dtype (one row per token)")
         ref_kept, plan = _capacity_reference(x, index, gates, capacity, weight)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from labkit import quant as Q
-from labkit.checks._core import call_on_copies, fail, passed, results
+from labkit.checks._core import call_twice, fail, passed
 
 __all__ = ["quantize_symmetric", "quantize_asymmetric", "pack_int4", "unpack_int4", "nearest_level"]
 
@@ -28,18 +28,6 @@ TIE = 1e-3  # |fraction - 0.5| below this counts as a tie, where either neighbou
 # ----------------------------------------------------------------------------- shared helpers
 _MUTATION_HINT = ("work on new tensors: an in-place op (x /= s, x.round_(), ...) on x, or on x.float() of an fp32 x "
                   "(which is x itself), changes the caller's tensor")
-
-
-def _call_twice(fn, tried: str, inputs: tuple, names: str) -> tuple:
-    """Call ``fn`` on copies of ``inputs`` twice; fail if it changes them or answers differently."""
-    labels = tuple(names.strip("()").split(", "))
-    first = results(call_on_copies(fn, tried, *inputs, mutation_hint=_MUTATION_HINT), labels, tried)
-    again = results(call_on_copies(fn, tried, *inputs, mutation_hint=_MUTATION_HINT), labels, tried)
-    for name, a, b in zip(labels, first, again):
-        if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
-            fail(tried + " (called twice)", f"a different {name} on the second call", "the same result for the same input",
-                 "does your function keep state between calls, or depend on randomness?")
-    return first
 
 
 def _expect_dtype_shape(value: torch.Tensor, name: str, dtype: torch.dtype, shape, tried: str, hint: str) -> None:
@@ -97,7 +85,7 @@ def _grade_quantize(fn, name: str, symmetric: bool) -> int:
         tried = f"{name}({tried})"
         q = Q.quantize(x, bits, symmetric, "channel", axis=axis)
         qmin, qmax = q.code_range
-        got = _call_twice(fn, tried, (x, bits, axis), names)
+        got = call_twice(fn, tried, (x, bits, axis), tuple(names.strip("()").split(", ")), _MUTATION_HINT)
         codes, scale = got[0], got[1]
         _expect_dtype_shape(codes, "codes", code_dtype, x.shape, tried,
                             f"codes have x's shape, as {code_dtype} ({'signed' if symmetric else 'unsigned'} codes "
@@ -244,7 +232,7 @@ def pack_int4(fn) -> None:
     ]
     for tried, codes in cases:
         tried = f"pack_int4({tried})"
-        (packed,) = _call_twice(fn, tried, (codes,), "(packed)")
+        (packed,) = call_twice(fn, tried, (codes,), ("packed",), _MUTATION_HINT)
         expected = Q.pack_int4(codes)
         _expect_dtype_shape(packed, "packed", torch.uint8, expected.shape, tried,
                             "two codes per byte: uint8 with the last dim halved")
@@ -275,7 +263,7 @@ def unpack_int4(fn) -> None:
     ]
     for tried, packed, signed in cases:
         tried = f"unpack_int4({tried})"
-        (codes,) = _call_twice(fn, tried, (packed, signed), "(codes)")
+        (codes,) = call_twice(fn, tried, (packed, signed), ("codes",), _MUTATION_HINT)
         expected = Q.unpack_int4(packed, signed)
         _expect_dtype_shape(codes, "codes", expected.dtype, expected.shape, tried,
                             "two codes per byte: the last dim doubles; int8 if signed, else uint8")
@@ -312,7 +300,7 @@ def nearest_level(fn) -> None:
     ]
     for tried, x, levels in cases:
         tried = f"nearest_level({tried})"
-        (indices,) = _call_twice(fn, tried, (x, levels), "(indices)")
+        (indices,) = call_twice(fn, tried, (x, levels), ("indices",), _MUTATION_HINT)
         if indices.dtype.is_floating_point:
             fail(tried, f"a {indices.dtype} tensor", "uint8 indices into levels",
                  "return the index of the nearest level (0 .. len(levels) - 1), not the level's value")
