@@ -11,4 +11,6 @@ from labkit.checks.ch03_attention import *  # noqa: F401,F403
 from labkit.checks.ch07_memory import *  # noqa: F401,F403
 from labkit.checks.ch01_precision import *  # noqa: F401,F403
 from labkit.checks.ch02_norms import *  # noqa: F401,F403
+from labkit.checks.ch04_moe import *  # noqa: F401,F403
 from labkit.checks.ch06_quant import *  # noqa: F401,F403
+from labkit.checks.ch05_lora import *  # noqa: F401,F403

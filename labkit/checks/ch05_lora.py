@@ -1,0 +1,428 @@
+"""Graders for chapter 05 (LoRA and parameter-efficient fine-tuning).
+
+* ``LoRALinear(cls)``: the learner's class ``cls(base, r, alpha, dropout=0.0, use_rslora=False)``,
+  the layer of :class:`labkit.lora.LoRALinear`: ``lora_A`` ``[r, d_in]`` (Kaiming-uniform),
+  ``lora_B`` ``[d_out, r]`` (zeros), base frozen, ``forward(x) = base(x) + scaling * B A dropout(x)``;
+* ``merge_lora(fn)`` and ``unmerge_lora(fn)``: ``fn(model)`` folds every
+  :class:`labkit.lora.LoRALinear` of ``model`` into its base weight (and sets ``merged``), or
+  takes it out again, as :func:`labkit.lora.merge_lora` / :func:`labkit.lora.unmerge_lora`;
+* ``lora_parameter_count(fn)``: ``fn(config, r, targets)``, the adapters' parameter count,
+  :func:`labkit.lora.lora_parameter_count` for ``targets`` given as a tuple of layer names.
+
+Each grader builds its own inputs (non-square layers, several ranks and dtypes, dropout switched
+on), calls the learner's code twice where that must not change anything, and names the typical
+mistake when one is recognised: B initialised randomly, the scaling upside down (``r / alpha``), the
+base left trainable, the update transposed, dropout at merge time, merging twice.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch import nn
+
+from labkit import lora as L
+from labkit.checks._core import call, fail, passed
+from labkit.model import ModelConfig
+from labkit.nn import Linear
+
+__all__ = ["LoRALinear", "merge_lora", "unmerge_lora", "lora_parameter_count"]
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor, tol: float) -> bool:
+    got, expected = got.detach().double(), expected.detach().double()
+    return got.shape == expected.shape and bool(torch.allclose(got, expected, rtol=tol, atol=tol * (1 + expected.abs().max().item())))
+
+
+def _max_error(got: torch.Tensor, expected: torch.Tensor) -> str:
+    return f"max abs error {(got.detach().double() - expected.detach().double()).abs().max().item():.3g}"
+
+
+# ----------------------------------------------------------------------------- the layer
+def _layer_cases():
+    """(tried, make_base, r, alpha, use_rslora, dtype): non-square labkit and torch layers, fp32 and bf16."""
+    return [
+        ("base = labkit.nn.Linear(24, 10), r=4, alpha=8", lambda: Linear(24, 10), 4, 8, False, torch.float32),
+        ("base = torch.nn.Linear(16, 40) with a bias, r=2, alpha=16", lambda: nn.Linear(16, 40), 2, 16, False, torch.float32),
+        ("base = labkit.nn.Linear(32, 12) in bfloat16, r=8, alpha=4", lambda: Linear(32, 12, dtype=torch.bfloat16), 8, 4, False, torch.bfloat16),
+        ("base = labkit.nn.Linear(20, 30), r=1, alpha=3", lambda: Linear(20, 30), 1, 3, False, torch.float32),
+        ("base = labkit.nn.Linear(24, 10), r=4, alpha=8, use_rslora=True", lambda: Linear(24, 10), 4, 8, True, torch.float32),
+    ]
+
+
+def _base_output(base: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return base(x)
+
+
+def _reference(base, x, A, B, scaling) -> torch.Tensor:
+    """In the adapter's dtype, like labkit: ``base(x) + scaling * (x A^T) B^T``, in fp64 here."""
+    weight = base.weight.detach().double()
+    out = x.double() @ weight.T + (0 if getattr(base, "bias", None) is None else base.bias.detach().double())
+    return out + scaling * (x.double() @ A.detach().double().T) @ B.detach().double().T
+
+
+def LoRALinear(cls) -> None:  # noqa: N802  (named after the class the learner writes)
+    """Grade ``cls(base, r, alpha, dropout=0.0, use_rslora=False)``: an ``nn.Module`` with
+    parameters ``lora_A`` ``[r, d_in]`` (Kaiming-uniform, ``|A| <= 1/sqrt(d_in)``) and ``lora_B``
+    ``[d_out, r]`` (zeros) in the base weight's dtype, the base frozen, and
+    ``forward(x) = base(x) + scaling * (dropout(x) @ A^T) @ B^T`` with ``scaling = alpha / r``
+    (``alpha / sqrt(r)`` if ``use_rslora``); dropout on the adapter's input only, in training mode."""
+    gen = torch.Generator().manual_seed(5)
+    for tried, make_base, r, alpha, rslora, dtype in _layer_cases():
+        torch.manual_seed(0)
+        base = make_base()
+        d_out, d_in = base.weight.shape
+        w0 = base.weight.detach().clone()
+        call_tried = f"{cls.__name__ if hasattr(cls, '__name__') else 'cls'}({tried})"
+        layer = call(cls, call_tried, base, r, alpha, **({"use_rslora": True} if rslora else {}))
+        if not isinstance(layer, nn.Module):
+            fail(call_tried, f"a {type(layer).__name__}", "an nn.Module", "subclass torch.nn.Module and call super().__init__() first")
+        A, B = getattr(layer, "lora_A", None), getattr(layer, "lora_B", None)
+        for name, p, shape in (("lora_A", A, (r, d_in)), ("lora_B", B, (d_out, r))):
+            if not isinstance(p, nn.Parameter):
+                fail(call_tried, f"layer.{name} is {type(p).__name__}", "an nn.Parameter",
+                     f"self.{name} = nn.Parameter(torch.empty(...)): a plain tensor is neither trained nor saved")
+            if tuple(p.shape) != shape:
+                hint = (f"{name} is {'[r, d_in]' if name == 'lora_A' else '[d_out, r]'} (PEFT's convention): "
+                        + ("you built it transposed" if tuple(p.shape) == shape[::-1] else "check which side is the rank"))
+                fail(call_tried, f"layer.{name} of shape {tuple(p.shape)}", f"shape {shape}", hint)
+            if p.dtype != dtype:
+                fail(call_tried, f"layer.{name} of dtype {p.dtype}", f"dtype {dtype}, the base weight's",
+                     "create the adapters with the base weight's dtype and device")
+        trainable_base = [n for n, p in base.named_parameters() if p.requires_grad]
+        if trainable_base:
+            fail(call_tried, f"the base's {trainable_base} still require grad", "a frozen base: only lora_A and lora_B train",
+                 "base.requires_grad_(False): the point of LoRA is that W0 gets no gradient and no optimizer state")
+        if not (A.requires_grad and B.requires_grad):
+            fail(call_tried, "lora_A or lora_B does not require grad", "both adapters trainable", "leave requires_grad=True on the adapters")
+        if B.detach().abs().max() != 0:
+            fail(call_tried, f"lora_B with values up to {B.detach().abs().max().item():.3g}", "lora_B all zeros",
+                 "initialise B to zeros (and A randomly): then B A = 0 and the wrapped layer starts exactly as the base "
+                 "model; a random B changes the pretrained model before any training")
+        bound = 1 / math.sqrt(d_in)
+        a_max = A.detach().float().abs().max().item()
+        if a_max == 0 or A.detach().float().std().item() == 0:
+            fail(call_tried, "lora_A all zeros (or constant)", "a random lora_A",
+                 "with A = 0 and B = 0 no gradient ever reaches either (dL/dB needs A x, dL/dA needs B): init A randomly")
+        if a_max > bound * 1.01:
+            fail(call_tried, f"lora_A with values up to {a_max:.3g}", f"Kaiming-uniform values within 1/sqrt(d_in) = {bound:.3g}",
+                 "nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5)), as torch.nn.Linear and PEFT initialise it")
+        x = torch.randn(3, 5, d_in, generator=gen).to(dtype)
+        x_copy = x.clone()
+        layer.eval()
+        got0 = call(layer, f"{call_tried}; layer(x) right after construction, x of shape {tuple(x.shape)}", x)
+        if not torch.equal(x, x_copy):
+            fail(call_tried + "; layer(x)", "x was modified", "the input unchanged", "do not modify x in place")
+        if not isinstance(got0, torch.Tensor) or got0.shape != (3, 5, d_out) or got0.dtype != dtype:
+            fail(call_tried + "; layer(x)", f"{type(got0).__name__} {tuple(getattr(got0, 'shape', ()))} {getattr(got0, 'dtype', '')}",
+                 f"a {dtype} tensor of shape (3, 5, {d_out})", "return base(x) plus the update, in x's dtype")
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        if not _close(got0, _base_output(base, x), tol):
+            fail(call_tried + "; layer(x) before training", _max_error(got0, _base_output(base, x)) + " from base(x)",
+                 "exactly base(x): with B = 0 the update is zero", "forward(x) = base(x) + scaling * (x @ A.T) @ B.T")
+        with torch.no_grad():  # now a non-zero adapter
+            A.copy_(((torch.rand(A.shape, generator=gen) * 2 - 1) * bound).to(dtype))
+            B.copy_((torch.randn(B.shape, generator=gen) * 0.5).to(dtype))
+        scaling = alpha / math.sqrt(r) if rslora else alpha / r
+        got = call(layer, f"{call_tried}; with random lora_A, lora_B: layer(x)", x)
+        expected = _reference(base, x, A, B, scaling)
+        if not _close(got, expected, tol):
+            candidates = {
+                f"scaling = r / alpha = {r / alpha:g}": "the scaling is alpha / r: alpha sets the update's size, r is divided out",
+                "no scaling": f"multiply the update by scaling = alpha / r = {alpha / r:g}",
+                f"scaling = alpha / sqrt(r) = {alpha / math.sqrt(r):g}": f"without use_rslora the scaling is alpha / r = {alpha / r:g}",
+                f"scaling = alpha / r = {alpha / r:g}": f"with use_rslora=True the scaling is alpha / sqrt(r) = {alpha / math.sqrt(r):g}",
+            }
+            values = {f"scaling = r / alpha = {r / alpha:g}": r / alpha, "no scaling": 1.0,
+                      f"scaling = alpha / sqrt(r) = {alpha / math.sqrt(r):g}": alpha / math.sqrt(r),
+                      f"scaling = alpha / r = {alpha / r:g}": alpha / r}
+            hint = next((candidates[k] for k, s in values.items() if s != scaling and _close(got, _reference(base, x, A, B, s), tol)),
+                        "forward(x) = base(x) + scaling * (x @ A.T) @ B.T: A first (d_in -> r), then B (r -> d_out)")
+            fail(f"{call_tried}; with random lora_A, lora_B: layer(x)", _max_error(got, expected),
+                 f"base(x) + {scaling:g} * B A x", hint)
+        again = call(layer, f"{call_tried}; layer(x) a second time", x)
+        if not torch.equal(again, got):
+            fail(f"{call_tried}; layer(x) twice in eval mode", "a different output the second time", "the same output",
+                 "does forward change state or apply dropout in eval mode?")
+        layer.train()
+        x_grad = x.detach().clone().requires_grad_()
+        out = call(layer, f"{call_tried}; layer(x).sum().backward()", x_grad)
+        out.float().sum().backward()
+        if base.weight.grad is not None:
+            fail(f"{call_tried}; backward", "a gradient in base.weight.grad", "no gradient for the frozen base weight",
+                 "freeze the base (base.requires_grad_(False)) before using it")
+        if B.grad is None or B.grad.abs().max() == 0 or A.grad is None:
+            fail(f"{call_tried}; backward", "no gradient for lora_A or lora_B", "gradients for both adapters",
+                 "compute the update from self.lora_A and self.lora_B (not detached copies) inside forward")
+        if not torch.equal(base.weight.detach(), w0):
+            fail(call_tried, "the base weight changed", "the base weight untouched", "forward must not write into base.weight")
+    _grade_dropout(cls)
+    passed("LoRALinear", "zero-initialised B, frozen base, alpha / r scaling (alpha / sqrt(r) with rsLoRA), "
+                         "dropout on the adapter only, in fp32 and bf16, over labkit and torch layers")
+
+
+def _grade_dropout(cls) -> None:
+    """A = B = I (d = r = 16), scaling 1, dropout 0.5: in training the update must be x with each
+    entry either dropped or scaled by 1 / (1 - p); the base path never dropped; none in eval mode."""
+    torch.manual_seed(1)
+    base = Linear(16, 16)
+    tried = f"{getattr(cls, '__name__', 'cls')}(labkit.nn.Linear(16, 16), r=16, alpha=16, dropout=0.5) with lora_A = lora_B = I"
+    layer = call(cls, tried, base, 16, 16, dropout=0.5)
+    with torch.no_grad():
+        layer.lora_A.copy_(torch.eye(16))
+        layer.lora_B.copy_(torch.eye(16))
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(2))
+    layer.eval()
+    update = call(layer, tried + "; eval mode", x) - _base_output(base, x)
+    if not _close(update, x, 1e-5):
+        fail(tried + "; eval mode: layer(x) - base(x)", _max_error(update, x) + " from x", "x (no dropout in eval mode)",
+             "use nn.Dropout (it does nothing in eval mode), not a hand-made mask applied always")
+    layer.train()
+    out = call(layer, tried + "; train mode", x).detach()
+    update = out - _base_output(base, x)
+    kept = update.abs() > 1e-6
+    if (out.abs() < 1e-7).float().mean() > 0.2:
+        fail(tried + "; train mode: layer(x)", "zeros in the layer's output itself", "base(x) never dropped",
+             "dropout belongs on the adapter's input only: base(x) + scaling * B A dropout(x), never on base(x)")
+    if kept.all() or not kept.any():
+        fail(tried + "; train mode: layer(x) - base(x)", "no entry dropped" if kept.all() else "every entry dropped",
+             "about half of the update's entries zero", "apply self.lora_dropout to the adapter's input x: dropout(x) @ A.T")
+    if not torch.allclose(update[kept], 2 * x[kept], atol=1e-5):
+        fail(tried + "; train mode: layer(x) - base(x)", "entries that are neither 0 nor x / (1 - p) = 2x",
+             "dropped entries 0, kept ones x / (1 - p)",
+             "dropout belongs on the adapter's input only: base(x) + scaling * B A dropout(x), never on base(x); "
+             "nn.Dropout(p) also rescales the kept values by 1 / (1 - p)")
+
+
+# ----------------------------------------------------------------------------- merging
+class _Block(nn.Module):
+    def __init__(self, layers: dict):
+        super().__init__()
+        for name, layer in layers.items():
+            setattr(self, name, layer)
+
+
+def _model(seed: int, dtype=torch.float32) -> tuple[nn.Module, dict]:
+    """A nested model with labkit LoRALinear layers: non-square and square, several ranks, rsLoRA,
+    dropout 0.1, in training mode (so that a dropout applied at merge time is random)."""
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    layers = {
+        "wide": L.LoRALinear(Linear(12, 20, dtype=dtype), r=3, alpha=6, dropout=0.1),
+        "square": L.LoRALinear(Linear(16, 16, dtype=dtype), r=4, alpha=16, dropout=0.1),
+        "narrow": L.LoRALinear(Linear(20, 6, dtype=dtype), r=2, alpha=4, dropout=0.1, use_rslora=True),
+    }
+    model = _Block({"attn": _Block({"q_proj": layers["wide"], "v_proj": layers["square"]}), "ffn": _Block({"w2": layers["narrow"]}),
+                    "head": Linear(6, 4, dtype=dtype)})
+    with torch.no_grad():
+        for layer in layers.values():
+            layer.lora_A.copy_(torch.randn(layer.lora_A.shape, generator=gen).to(dtype) * 0.3)
+            layer.lora_B.copy_(torch.randn(layer.lora_B.shape, generator=gen).to(dtype) * 0.3)
+    model.train()
+    named = {"attn.q_proj": layers["wide"], "attn.v_proj": layers["square"], "ffn.w2": layers["narrow"]}
+    return model, named
+
+
+def _eval_outputs(named: dict, inputs: dict) -> dict:
+    out = {}
+    for name, layer in named.items():
+        was = layer.training
+        layer.eval()
+        with torch.no_grad():
+            out[name] = layer(inputs[name])
+        layer.train(was)
+    return out
+
+
+def _merge_hint(layer, got_weight, w0) -> str:
+    A, B, s = layer.lora_A.detach().double(), layer.lora_B.detach().double(), layer.scaling
+    delta = got_weight.double() - w0.double()
+    right = s * B @ A
+    if torch.allclose(delta, torch.zeros_like(delta), atol=1e-7):
+        return "add the update into base.weight itself (in place, under torch.no_grad()), not into a copy"
+    if delta.shape == right.T.shape and torch.allclose(delta, right.T, atol=1e-4):
+        return "the update B A is [d_out, d_in], the shape of W (labkit's weight is [d_out, d_in]): no transpose"
+    if torch.allclose(delta, 2 * right, atol=1e-4):
+        return "you merged twice: skip layers whose `merged` flag is already True"
+    if torch.allclose(delta, right / s, atol=1e-4):
+        return f"scale the update: W0 + scaling * B A, scaling = {s:g} (layer.scaling)"
+    if torch.allclose(delta, right * (layer.r / layer.alpha) / s, atol=1e-4):
+        return "the scaling is alpha / r (use layer.scaling), not r / alpha"
+    p = getattr(layer.lora_dropout, "p", 0.0)
+    if p and (torch.allclose(delta, right * (1 - p), atol=1e-4) or torch.allclose(delta, right / (1 - p), atol=1e-4)
+              or ((delta.abs() < 1e-7) & (right.abs() > 1e-4)).any()):
+        return ("no dropout at merge time: dropout is training noise on the adapter's input, the merged layer must "
+                "compute what the unmerged one computes in eval mode: W0 + scaling * B A")
+    return "W <- W0 + layer.scaling * layer.lora_B @ layer.lora_A, for every LoRALinear of the model"
+
+
+def _right_in_eval_mode(fn, dtype, tol) -> bool:
+    model, named = _model(0 if dtype == torch.float32 else 1, dtype)
+    model.eval()
+    w0 = {n: layer.base.weight.detach().clone() for n, layer in named.items()}
+    try:
+        fn(model)
+    except Exception:  # noqa: BLE001  (only a diagnosis; the real call already ran)
+        return False
+    return all(_close(layer.base.weight, (w0[n].float() + layer.delta_weight()).to(dtype), tol) for n, layer in named.items())
+
+
+def merge_lora(fn) -> None:
+    """Grade ``fn(model)``: for every :class:`labkit.lora.LoRALinear` in ``model`` (nested anywhere)
+    that is not merged yet, ``base.weight <- base.weight + scaling * lora_B @ lora_A`` in place
+    (computed in fp32, stored in the weight's dtype) and ``merged = True``; afterwards ``layer(x)`` in
+    eval mode equals what it was before. A second call changes nothing."""
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        model, named = _model(0 if dtype == torch.float32 else 1, dtype)
+        tried = (f"merge_lora(model) on a model with LoRALinear layers attn.q_proj (12 -> 20, r=3), attn.v_proj (16 -> 16, r=4) "
+                 f"and ffn.w2 (20 -> 6, r=2, rsLoRA), dropout 0.1, in training mode, {dtype}")
+        gen = torch.Generator().manual_seed(3)
+        inputs = {n: torch.randn(4, layer.d_in, generator=gen).to(dtype) for n, layer in named.items()}
+        before = _eval_outputs(named, inputs)
+        w0 = {n: layer.base.weight.detach().clone() for n, layer in named.items()}
+        adapters = {n: (layer.lora_A.detach().clone(), layer.lora_B.detach().clone()) for n, layer in named.items()}
+        for attempt in ("", " (called a second time)"):
+            call(fn, tried + attempt, model, hint="lora_B @ lora_A is [d_out, d_in], the shape of W: a transposed update "
+                 "does not fit a non-square layer (and run that call yourself to read the traceback)")
+            for name, layer in named.items():
+                weight = layer.base.weight
+                A, B = adapters[name]
+                expected = (w0[name].float() + layer.scaling * (B.float() @ A.float())).to(dtype)
+                if not (torch.equal(layer.lora_A.detach(), A) and torch.equal(layer.lora_B.detach(), B)):
+                    fail(tried + attempt, f"{name}'s lora_A or lora_B changed", "the adapters kept as they were",
+                         "keep A and B: unmerging (and swapping adapters) needs them")
+                if weight.shape != w0[name].shape or weight.dtype != dtype:
+                    fail(tried + attempt, f"{name}.base.weight of shape {tuple(weight.shape)}, {weight.dtype}",
+                         f"shape {tuple(w0[name].shape)}, {dtype}", "B A is [d_out, d_in], like W; keep the weight's dtype")
+                if not _close(weight, expected, tol):
+                    hint = _merge_hint(layer, weight.detach(), w0[name])
+                    if not attempt and _right_in_eval_mode(fn, dtype, tol):
+                        hint = ("no dropout at merge time: your merge is right when the model is in eval mode but not in "
+                                "training mode, so it goes through the dropout; the merged layer must compute what the "
+                                "unmerged one computes in eval mode: W0 + scaling * B A")
+                    fail(tried + attempt, f"{name}.base.weight off by {_max_error(weight, expected)}", "W0 + scaling * B A", hint)
+                if weight.requires_grad:
+                    fail(tried + attempt, f"{name}.base.weight requires grad", "the base weight still frozen",
+                         "update it in place under torch.no_grad() (weight += ...), without making it trainable")
+                if layer.merged is not True:
+                    fail(tried + attempt, f"{name}.merged is {layer.merged!r}", "True",
+                         "set layer.merged = True: forward then skips the adapter, which the weight now contains "
+                         "(otherwise the update is counted twice)")
+        after = _eval_outputs(named, inputs)
+        for name in named:
+            if not _close(after[name], before[name], 10 * tol):
+                fail(tried + f"; {name}(x) in eval mode after merging", _max_error(after[name], before[name]),
+                     "the same output as before merging", "merged, forward is base(x) alone: is `merged` honoured?")
+    passed("merge_lora", "W0 + scaling * B A in place for every adapter (nested, non-square, rsLoRA), merged set, "
+                         "no dropout, idempotent; outputs unchanged in fp32 and bf16")
+
+
+def unmerge_lora(fn) -> None:
+    """Grade ``fn(model)``: for every merged :class:`labkit.lora.LoRALinear` in ``model``,
+    ``base.weight <- base.weight - scaling * lora_B @ lora_A`` and ``merged = False`` (layers not
+    merged are left alone); the weights return to what they were before merging."""
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        model, named = _model(2 if dtype == torch.float32 else 3, dtype)
+        w0 = {n: layer.base.weight.detach().clone() for n, layer in named.items()}
+        L.merge_lora(model)
+        tried = f"unmerge_lora(model) on a model whose three LoRALinear layers were merged by labkit.lora.merge_lora, {dtype}"
+        for attempt in ("", " (called a second time)"):
+            call(fn, tried + attempt, model)
+            for name, layer in named.items():
+                weight = layer.base.weight
+                if weight.shape != w0[name].shape:
+                    fail(tried + attempt, f"{name}.base.weight of shape {tuple(weight.shape)}", f"shape {tuple(w0[name].shape)}",
+                         "B A is [d_out, d_in], like W: no transpose")
+                if not _close(weight, w0[name], tol):
+                    delta = weight.detach().double() - w0[name].double()
+                    right = layer.delta_weight().double()
+                    if torch.allclose(delta, right, atol=1e-3) or torch.allclose(delta, 2 * right, atol=1e-3):
+                        hint = "subtract the update: W <- W - scaling * B A (and set merged = False)"
+                    elif torch.allclose(delta, -right, atol=1e-3):
+                        hint = "you unmerged twice: only unmerge layers whose `merged` flag is True"
+                    else:
+                        hint = "W <- W - layer.scaling * layer.lora_B @ layer.lora_A, no transpose, no dropout"
+                    fail(tried + attempt, f"{name}.base.weight off by {_max_error(weight, w0[name])} from the original",
+                         "the weight as it was before merging", hint)
+                if layer.merged is not False:
+                    fail(tried + attempt, f"{name}.merged is {layer.merged!r}", "False",
+                         "set layer.merged = False, so that forward adds the adapter again")
+    model, named = _model(4)
+    call(fn, "unmerge_lora(model) on a model that was never merged", model)
+    for name, layer in named.items():
+        if layer.merged:
+            fail("unmerge_lora(model) on a model that was never merged", f"{name}.merged became True", "False", "only flip merged layers")
+    fresh, _ = _model(4)
+    for (name, layer), (_, reference) in zip(named.items(), L.lora_layers(fresh).items()):
+        if not torch.equal(layer.base.weight, reference.base.weight):
+            fail("unmerge_lora(model) on a model that was never merged", f"{name}.base.weight changed", "the weights untouched",
+                 "skip layers whose `merged` flag is False: there is nothing to take out")
+    passed("unmerge_lora", "every merged adapter taken out again (fp32 and bf16), flags reset, unmerged layers left alone")
+
+
+# ----------------------------------------------------------------------------- counting
+def _count_cases():
+    tiny = ModelConfig(vocab_size=15, context_length=64, d_model=64, num_layers=2, num_heads=4, d_ff=172)
+    gqa = ModelConfig(vocab_size=1000, context_length=128, d_model=96, num_layers=3, num_heads=6, num_kv_heads=2, d_ff=256)
+    qwen_like = ModelConfig(vocab_size=500, context_length=64, d_model=80, num_layers=2, num_heads=4, num_kv_heads=2,
+                            head_dim=32, d_ff=200, qk_norm=True)
+    mlp = ("w1", "w2", "w3")
+    everything = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3")
+    return [
+        ("the chapter's tiny model (d_model 64, 2 layers, d_ff 172)", tiny, 8, ("q_proj", "v_proj")),
+        ("the chapter's tiny model", tiny, 4, everything),
+        ("GQA: d_model 96, 6 query heads, 2 KV heads of 16, 3 layers", gqa, 16, ("q_proj", "k_proj", "v_proj")),
+        ("GQA, the MLP only (d_ff 256)", gqa, 2, mlp),
+        ("head_dim 32 x 4 heads = 128 != d_model 80, 2 KV heads", qwen_like, 8, ("q_proj", "v_proj", "output_proj")),
+        ("head_dim 32 x 4 heads, every linear layer but the LM head", qwen_like, 1, everything),
+    ]
+
+
+def lora_parameter_count(fn) -> None:
+    """Grade ``fn(config, r, targets) -> int``: ``r * (d_in + d_out)`` summed over every layer of
+    ``TransformerLM(config)`` named in ``targets`` (a tuple of names among ``q_proj, k_proj, v_proj,
+    output_proj, w1, w2, w3``), in every one of the ``num_layers`` blocks. Mind grouped-query attention
+    (``k_proj``/``v_proj`` output ``num_kv_heads * head_dim``) and ``head_dim`` (which may make
+    ``num_heads * head_dim`` differ from ``d_model``)."""
+    for tried, config, r, targets in _count_cases():
+        tried = f"lora_parameter_count(config, r={r}, targets={targets}) for {tried}"
+        got = call(fn, tried, config, r, targets)
+        if isinstance(got, torch.Tensor) and got.numel() == 1:
+            got = got.item()
+        if isinstance(got, bool) or not isinstance(got, numbers.Integral):
+            if isinstance(got, numbers.Real) and float(got).is_integer():
+                got = int(got)
+            else:
+                fail(tried, f"a {type(got).__name__}: {got!r}", "an int", "return a whole number of parameters")
+        expected = L.lora_parameter_count(config, r, targets)
+        if got != expected:
+            fail(tried, f"{got:,}", f"{expected:,}", _count_hint(config, r, targets, got))
+    passed("lora_parameter_count", "r * (d_in + d_out) per adapted layer and block, with GQA and head_dim taken into account")
+
+
+def _count_hint(config: ModelConfig, r: int, targets, got: int) -> str:
+    shapes = {name.rpartition(".")[2]: (d_in, d_out) for name, d_in, d_out in L._layer_shapes(config, targets)
+              if name.startswith("layers.0.")}
+    layers, d = config.num_layers, config.d_model
+    expected = L.lora_parameter_count(config, r, targets)
+
+    def count(shape) -> int:  # the total if each targeted layer had shape(name, d_in, d_out)
+        return layers * sum(r * sum(shape(n, d_in, d_out)) for n, (d_in, d_out) in shapes.items())
+
+    if got == layers * sum(r * d_in * d_out for d_in, d_out in shapes.values()):
+        return "an adapter is two thin matrices, A (r x d_in) and B (d_out x r): r * (d_in + d_out), not r * d_in * d_out"
+    if got * layers == expected:
+        return f"every one of the {layers} blocks has its own {', '.join(targets)}: multiply by num_layers"
+    if got == expected + r * (d + config.vocab_size):
+        return "the LM head is not among the targets: count only the layers named in targets"
+    q_width = config.num_heads * config.dim_per_head
+    if config.kv_heads != config.num_heads and got == count(lambda n, d_in, d_out: (d_in, q_width if n in ("k_proj", "v_proj") else d_out)):
+        return "with grouped-query attention k_proj and v_proj output num_kv_heads * head_dim, fewer than q_proj"
+    if got == count(lambda n, d_in, d_out: (d, d)):
+        return ("not every layer is d_model x d_model: k_proj/v_proj output num_kv_heads * head_dim, w1/w3 output d_ff, "
+                "w2 takes d_ff in, and q_proj/output_proj use num_heads * head_dim")
+    if q_width != d and got == count(lambda n, d_in, d_out: (d if n == "output_proj" else d_in, d if n == "q_proj" else d_out)):
+        return "the attention is num_heads * head_dim wide, which need not be d_model: q_proj outputs it, output_proj takes it in"
+    return "sum r * (d_in + d_out) over the targeted layers of one block, times num_layers; look up each layer's shape in labkit/nn.py"
