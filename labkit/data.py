@@ -2,6 +2,7 @@
 quality is measured by exact-match accuracy (not only loss), and ``get_batch``."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -121,6 +122,15 @@ class ArithmeticTask:
     def digit_accuracy(self, model, split: str = "val", max_examples: int | None = None, device=None, use_cache: bool = True) -> list[float]:
         """Accuracy of each answer character separately, in the order they are written."""
         return self._answer_matches(model, split, max_examples, device, use_cache).float().mean(dim=0).tolist()
+
+    def chance_digit_accuracy(self, split: str = "val") -> list[float]:
+        """Per answer character, the accuracy of always guessing that character's most common value in ``split``:
+        the level a model reaches without computing anything (10% for a uniform digit; about 50% for the
+        leading digit of a 2-digit sum, which is 0 or 1)."""
+        answers = [self.answer(a, b) for a, b in self.pairs(split)]
+        if not answers:
+            raise ValueError(f"split={split!r}: no examples")
+        return [Counter(column).most_common(1)[0][1] / len(answers) for column in zip(*answers)]
 
     def _answer_matches(self, model, split, max_examples, device, use_cache) -> torch.Tensor:
         """``[examples, answer_width]`` booleans: greedy answer character == correct character."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from labkit.nn import ACTIVATIONS
@@ -36,6 +37,27 @@ def element_address(t: torch.Tensor, index: tuple[int, ...]) -> int:
 
 
 INIT_ACTIVATIONS = {"linear": lambda x: x, "tanh": torch.tanh, **ACTIVATIONS}
+
+
+def second_moment_gain(activation: str, points: int = 101) -> float:
+    """The weight scale ``s`` that keeps a layer's mean square at 1: with unit-Gaussian pre-activations ``z``,
+    ``s = 1 / sqrt(E[f(z)^2])`` (He et al.'s argument, which gives sqrt(2) for ReLU), the expectation taken by
+    Gauss-Hermite quadrature with ``points`` nodes (exact for polynomials of degree < 2 * points)."""
+    if activation not in INIT_ACTIVATIONS:
+        raise ValueError(f"activation={activation!r}: expected one of {sorted(INIT_ACTIVATIONS)}")
+    nodes, weights = np.polynomial.hermite_e.hermegauss(points)  # weight exp(-z^2 / 2)
+    values = INIT_ACTIVATIONS[activation](torch.from_numpy(nodes)).numpy()
+    return float(1 / np.sqrt((weights * values**2).sum() / weights.sum()))
+
+
+def recommended_gain(activation: str) -> tuple[float, str]:
+    """``(gain, source)``: ``torch.nn.init.calculate_gain`` where PyTorch defines a gain for ``activation``
+    (linear 1, ReLU sqrt(2), tanh 5/3, sigmoid 1), otherwise the :func:`second_moment_gain` (SiLU, GELU)."""
+    if activation not in INIT_ACTIVATIONS:
+        raise ValueError(f"activation={activation!r}: expected one of {sorted(INIT_ACTIVATIONS)}")
+    if activation in ("linear", "relu", "tanh", "sigmoid"):
+        return torch.nn.init.calculate_gain(activation), "torch.nn.init.calculate_gain"
+    return second_moment_gain(activation), "second-moment gain"
 
 
 @dataclass

@@ -253,6 +253,18 @@ class RoPE(nn.Module):
         return f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}"
 
 
+def rotate_half_permutation(d_k: int) -> torch.Tensor:
+    """The channel order that turns Hugging Face's ``rotate_half`` RoPE into :class:`RoPE`'s interleaved one.
+
+    Llama and Qwen checkpoints rotate the pairs ``(x[i], x[i + d_k/2])``; :class:`RoPE` rotates ``(x[2i], x[2i+1])``
+    with the same frequency for pair ``i``. So ``RoPE(x[..., perm])[..., perm.argsort()]`` equals the rotate_half
+    result, and loading such a checkpoint means permuting each head's rows of ``q_proj`` and ``k_proj`` by ``perm``."""
+    if d_k <= 0 or d_k % 2:
+        raise ValueError(f"d_k={d_k}: expected a positive even head dimension")
+    half = torch.arange(d_k // 2)
+    return torch.stack((half, half + d_k // 2), dim=-1).flatten()
+
+
 NORMS = ("none", "batchnorm", "layernorm", "rmsnorm")
 
 
@@ -287,6 +299,31 @@ def scaled_dot_product_attention(
             raise TypeError(f"mask: expected a boolean tensor (True = may attend), got {mask.dtype}")
         scores = scores.masked_fill(~mask, float("-inf"))
     return softmax(scores, dim=-1) @ V
+
+
+def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention where each group of ``Hq / Hkv`` query heads reads one K/V head: q ``[..., Hq, Nq, d]``, k and v
+    ``[..., Hkv, Nk, d]``, ``mask`` ``[Nq, Nk]`` (True = may attend). Query head ``h`` reads K/V head ``h // (Hq/Hkv)``.
+
+    The group's queries are stacked along the query axis (``[..., Hkv, group * Nq, d]``), so each K/V head is read
+    in place, once per group: repeating K and V for every query head (``repeat_interleave``) would copy the cache
+    ``group`` times and read all those copies, giving away the memory traffic GQA and MQA are meant to save."""
+    if q.dim() < 3 or k.dim() != q.dim() or v.dim() != q.dim():
+        raise ValueError(f"q, k, v: expected [..., heads, seq, head_dim] of equal rank, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    num_heads, num_kv_heads = q.shape[-3], k.shape[-3]
+    if num_heads % num_kv_heads or v.shape[-3] != num_kv_heads:
+        raise ValueError(f"q has {num_heads} heads, k {num_kv_heads} and v {v.shape[-3]}: expected k and v to have the "
+                         f"same number of heads, dividing q's")
+    group = num_heads // num_kv_heads
+    if group == 1:
+        return scaled_dot_product_attention(q, k, v, mask)
+    if mask is not None and mask.dim() != 2:
+        raise ValueError(f"mask: expected [num_queries, num_keys] for grouped heads, got shape {tuple(mask.shape)}")
+    *lead, _, num_queries, head_dim = q.shape
+    stacked = q.reshape(*lead, num_kv_heads, group * num_queries, head_dim)
+    out = scaled_dot_product_attention(stacked, k, v, None if mask is None else mask.repeat(group, 1))
+    return out.reshape(*lead, num_heads, num_queries, v.shape[-1])
 
 
 def causal_mask(num_queries: int, num_keys: int, device=None) -> torch.Tensor:
@@ -354,7 +391,7 @@ class MultiHeadSelfAttention(nn.Module):
         """The softmax probabilities ``[..., heads, seq, seq]`` this layer computes for input
         ``x`` (``causal=False`` shows what the heads would attend to without the mask)."""
         q, k, _ = self._project(x, token_positions, None, 0)
-        k = self._repeat_kv(k)
+        k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=-3)  # a picture per query head
         scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
         if causal:
             scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], device=q.device), float("-inf"))
@@ -382,10 +419,6 @@ class MultiHeadSelfAttention(nn.Module):
             k, v = kv_cache.update(layer_idx, k, v)
         return q, k, v
 
-    def _repeat_kv(self, t: torch.Tensor) -> torch.Tensor:
-        group = self.num_heads // self.num_kv_heads
-        return t.repeat_interleave(group, dim=-3) if group > 1 else t
-
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.use_triton and _kernels_available() and q.dim() == 4 and q.dtype in (torch.float32, torch.float16, torch.bfloat16):
             from labkit import kernels
@@ -393,7 +426,7 @@ class MultiHeadSelfAttention(nn.Module):
             # the kernel reads grouped K/V heads in place: no repeat, no copy of the transposed views
             return kernels.flash_attention(q, k, v, causal=True)
         mask = causal_mask(q.shape[-2], k.shape[-2], device=q.device)
-        return scaled_dot_product_attention(q, self._repeat_kv(k), self._repeat_kv(v), mask)
+        return grouped_query_attention(q, k, v, mask)
 
 
 class KVCache:

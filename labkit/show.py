@@ -2,6 +2,7 @@
 read) and small tables of results. Imports nothing else from labkit."""
 from __future__ import annotations
 
+import functools
 import inspect
 
 
@@ -32,3 +33,40 @@ def print_table(rows: list[dict]) -> None:
 
 def _fmt(value) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+
+def progress_bar(*args, **kwargs):
+    """A tqdm progress bar (tqdm's arguments) whose record in a saved notebook is the *finished* bar.
+
+    In Jupyter, tqdm draws a widget whose plain-text form (what a notebook file stores for readers without
+    the widget, e.g. on GitHub) is frozen at the first frame, "0/400". This bar is displayed with a display
+    id and displayed again into the same output when it closes, so the stored text reads "400/400".
+    """
+    from tqdm.auto import tqdm
+
+    try:
+        from tqdm.notebook import tqdm as notebook_tqdm
+    except ImportError:  # no ipywidgets: tqdm.auto is the terminal bar
+        notebook_tqdm = None
+    if notebook_tqdm is None or not issubclass(tqdm, notebook_tqdm) or kwargs.get("disable"):
+        return tqdm(*args, **kwargs)
+    return _recorded_bar_class(tqdm)(*args, **kwargs)
+
+
+@functools.cache
+def _recorded_bar_class(notebook_tqdm: type) -> type:
+    from IPython.display import display
+
+    class RecordedNotebookBar(notebook_tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, display=False, **kwargs)
+            self._record = display(self.container, display_id=True)
+
+        def close(self):
+            super().close()
+            record, self._record = getattr(self, "_record", None), None
+            if record is not None:
+                record.update(self.container)
+
+    return RecordedNotebookBar

@@ -10,9 +10,9 @@ from typing import Callable, Iterable
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from labkit.data import get_batch
+from labkit.show import progress_bar
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -88,10 +88,11 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_l2_norm: float,
     if not grads:
         return torch.tensor(0.0)
     total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-    if total > max_l2_norm:
-        scale = max_l2_norm / (total + eps)
-        for g in grads:
-            g.mul_(scale)
+    # torch.where instead of `if total > max_l2_norm`: a Python `if` on a GPU tensor waits for the GPU every step.
+    # Multiplying by exactly 1.0 leaves unclipped gradients bit for bit unchanged.
+    scale = torch.where(total > max_l2_norm, max_l2_norm / (total + eps), 1.0)
+    for g in grads:
+        g.mul_(scale)
     return total
 
 
@@ -274,8 +275,11 @@ def train(
     start = load_checkpoint(resume_from, model, optimizer) if resume_from else 0
     end = config.steps if stop_after is None else min(config.steps, stop_after)
     history = History()
+    # Losses stay on the device until an evaluation (which waits for the GPU anyway) or the end: a per-step
+    # `loss.item()` would make the CPU wait for every step and leave nothing for pinned, non_blocking copies to overlap.
+    unlogged_losses: list[torch.Tensor] = []
     model.train()
-    bar = tqdm(range(start, end), desc="train", disable=not progress, initial=start, total=config.steps)
+    bar = progress_bar(range(start, end), desc="train", disable=not progress, initial=start, total=config.steps)
     for step in bar:
         lr = lr_cosine_schedule(step, config.max_lr, config.min_lr, config.warmup_iters, config.steps)
         for group in optimizer.param_groups:
@@ -295,10 +299,11 @@ def train(
             clip_grad_norm(model.parameters(), config.grad_clip)
             optimizer.step()
         history.step.append(step + 1)
-        history.train_loss.append(loss.item())
+        unlogged_losses.append(loss.detach())
         history.lr.append(lr)
         done = step + 1
         if val_data is not None and (done % config.eval_every == 0 or done == config.steps):
+            _log_losses(history, unlogged_losses)
             history.val_step.append(done)
             history.val_loss.append(estimate_loss(model, val_data, config, device, autocast_dtype))
             bar.set_postfix(train=f"{loss.item():.3f}", val=f"{history.val_loss[-1]:.3f}")
@@ -306,4 +311,11 @@ def train(
             save_checkpoint(model, optimizer, done, config.checkpoint_path.format(step=done))
         if callback is not None:
             callback(done, loss.item())
+    _log_losses(history, unlogged_losses)
     return history
+
+
+def _log_losses(history: History, losses: list[torch.Tensor]) -> None:
+    if losses:
+        history.train_loss.extend(torch.stack(losses).float().tolist())
+        losses.clear()

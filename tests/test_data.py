@@ -141,3 +141,12 @@ def test_get_batch_bad_inputs():
 def test_get_batch_on_cuda():
     x, y = get_batch(np.arange(100), 4, 8, "cuda")
     assert x.is_cuda and torch.equal(y.cpu(), x.cpu() + 1)
+
+
+def test_chance_digit_accuracy_is_the_majority_guess():
+    task = ArithmeticTask(num_digits=2, op="+", reverse_answer=True)
+    chance = task.chance_digit_accuracy("val")
+    pairs = task.pairs("val")
+    carries = sum(int(a) + int(b) >= 100 for a, b in pairs)
+    assert chance[2] == max(carries, len(pairs) - carries) / len(pairs)  # the hundreds digit is 0 or 1
+    assert all(0.09 < c < 0.13 for c in chance[:2])  # units and tens: about one value in ten

@@ -5,7 +5,7 @@ matplotlib.use("Agg")
 import pytest
 import torch
 
-from labkit.foundations import element_address, init_statistics, tensor_layout
+from labkit.foundations import element_address, init_statistics, recommended_gain, second_moment_gain, tensor_layout
 from labkit.widgets.foundations import show_init_statistics
 
 
@@ -61,3 +61,21 @@ def test_widget_callback_plots_and_validates():
         show_init_statistics(10.0)
     with pytest.raises(ValueError, match="depth"):
         show_init_statistics(1.0, depth=0)
+
+
+def test_second_moment_gain_matches_he_and_monte_carlo():
+    assert second_moment_gain("relu") == pytest.approx(2**0.5, abs=1e-9)  # He et al.: E[relu(z)^2] = 1/2
+    assert second_moment_gain("linear") == pytest.approx(1.0, abs=1e-12)
+    z = torch.randn(2_000_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for name, f in [("tanh", torch.tanh), ("silu", torch.nn.functional.silu), ("gelu", torch.nn.functional.gelu)]:
+        monte_carlo = 1 / f(z).pow(2).mean().sqrt().item()
+        assert second_moment_gain(name) == pytest.approx(monte_carlo, rel=2e-3), name
+
+
+def test_recommended_gain_is_torchs_where_torch_has_one():
+    assert recommended_gain("tanh") == (pytest.approx(5 / 3), "torch.nn.init.calculate_gain")
+    assert recommended_gain("relu")[0] == pytest.approx(2**0.5)
+    gain, source = recommended_gain("silu")
+    assert source == "second-moment gain" and 1.6 < gain < 1.75
+    with pytest.raises(ValueError, match="activation"):
+        recommended_gain("swish")

@@ -206,3 +206,39 @@ def test_mhsa_shapes_and_errors():
         lnn.MultiHeadSelfAttention(32, 4, 3)
     with pytest.raises(ValueError, match="seq, d_model"):
         attn(torch.randn(32))
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, num_queries, num_keys", [(8, 2, 5, 9), (4, 1, 1, 17), (6, 3, 7, 7), (4, 4, 3, 6)])
+def test_grouped_query_attention_equals_repeated_kv(num_heads, num_kv_heads, num_queries, num_keys):
+    gen = torch.Generator().manual_seed(num_heads * 100 + num_keys)
+    q = torch.randn(2, num_heads, num_queries, 16, generator=gen)
+    k, v = (torch.randn(2, num_kv_heads, num_keys, 16, generator=gen) for _ in range(2))
+    mask = lnn.causal_mask(num_queries, num_keys)
+    group = num_heads // num_kv_heads
+    expected = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask)
+    torch.testing.assert_close(lnn.grouped_query_attention(q, k, v, mask), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_query_attention_errors():
+    q, k = torch.randn(1, 6, 3, 8), torch.randn(1, 4, 3, 8)
+    with pytest.raises(ValueError, match="dividing"):
+        lnn.grouped_query_attention(q, k, k)
+    with pytest.raises(ValueError, match="mask"):
+        lnn.grouped_query_attention(torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8),
+                                    torch.ones(1, 3, 3, dtype=torch.bool))
+
+
+def test_rotate_half_permutation_maps_hugging_face_rope_to_interleaved():
+    d, theta, positions = 16, 10000.0, torch.arange(7)
+    x = torch.randn(3, 7, d, generator=torch.Generator().manual_seed(0))
+    # Hugging Face Llama's convention: pairs (i, i + d/2), x * cos + rotate_half(x) * sin
+    inv_freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = (positions[:, None] * inv_freq[None, :]).float()
+    cos, sin = torch.cat((angles.cos(),) * 2, -1), torch.cat((angles.sin(),) * 2, -1)
+    rotate_half = torch.cat((-x[..., d // 2:], x[..., : d // 2]), dim=-1)
+    hugging_face = x * cos + rotate_half * sin
+    perm = lnn.rotate_half_permutation(d)
+    ours = lnn.RoPE(theta, d, 16)(x[..., perm], positions)[..., perm.argsort()]
+    torch.testing.assert_close(ours, hugging_face, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="even"):
+        lnn.rotate_half_permutation(7)

@@ -3,21 +3,22 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from labkit.foundations import INIT_ACTIVATIONS, init_statistics
+from labkit.foundations import INIT_ACTIVATIONS, init_statistics, recommended_gain
 from labkit.plots import plot_init_statistics
 
 SCALE_RANGE = (0.25, 4.0)
 
 
 def show_init_statistics(scale: float, activation: str = "tanh", depth: int = 32):
-    """The slider's callback: plot the chosen scale against the textbook one for ``activation``."""
+    """The slider's callback: plot the chosen scale against the recommended gain for ``activation``
+    (PyTorch's ``calculate_gain`` where it has one, the second-moment gain otherwise)."""
     low, high = SCALE_RANGE
     if not low <= scale <= high:
         raise ValueError(f"scale={scale}: expected a value in [{low}, {high}]")
     if not 1 <= depth <= 128:
         raise ValueError(f"depth={depth}: expected 1..128")
-    textbook = 2**0.5 if activation == "relu" else 1.0
-    stats = [init_statistics(textbook, depth, activation=activation), init_statistics(scale, depth, activation=activation)]
+    recommended, _ = recommended_gain(activation)
+    stats = [init_statistics(recommended, depth, activation=activation), init_statistics(scale, depth, activation=activation)]
     fig = plot_init_statistics(stats, title=f"{depth} layers of width 256 with {activation}")
     plt.show()
     return fig
