@@ -1,0 +1,734 @@
+"""Chapter 10: learning from preferences — reward models, DPO, and RL with a verifiable reward (GRPO).
+
+Everything runs on the arithmetic task of :mod:`labkit.data` (no download): a prompt is ``"07+35="``,
+a response is an answer such as ``"240;"`` (the adder's reversed, zero-padded sum). Because the task is
+generated, the **true** reward of any response is known, so preference pairs can be labelled by it
+(with label noise, as human raters make) and every learned quantity can be checked against it.
+
+* :func:`token_logprobs`, :func:`sequence_logprobs`: log-probabilities of response tokens given a prompt
+  (the shift by one done once; prompt and padding masked out);
+* :func:`make_preference_pairs`: ``(prompt, chosen, rejected)`` pairs for two preferences, ``"correct"``
+  (the right answer over a near miss) and ``"concise"`` (no zero padding, a format the adder never writes);
+* :class:`RewardModel`, :func:`bradley_terry_loss`, :func:`preference_accuracy`;
+* :func:`dpo_loss` (with the quantities TRL logs, and label smoothing);
+* :func:`grpo_advantages`, :func:`grpo_loss`, :func:`grpo_step`, :func:`kl_estimate`;
+* training helpers :func:`train_sft`, :func:`train_reward_model`, :func:`train_dpo`, :func:`train_grpo`
+  on :mod:`labkit.train`'s AdamW, clipping and cosine schedule, with a progress bar;
+* :func:`load_early_adder`: the shipped adder's recipe stopped early (:data:`EARLY_STEPS`), a weak
+  starting point for reinforcement learning (``python -m labkit.preference`` re-creates the asset).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from labkit.data import OPS, ArithmeticTask
+from labkit.model import TransformerLM, generate
+from labkit.nn import Linear
+from labkit.pretrained import RECIPE, SEED, adder_task
+from labkit.train import AdamW, atomic_save, clip_grad_norm, lr_cosine_schedule, train
+
+PREFERENCES = ("correct", "concise")
+EARLY_ASSET = Path(__file__).parent / "assets" / "early_adder.pt"
+EARLY_STEPS = 1000  # of the adder's 3000-step recipe: it adds some problems right, most wrong
+
+
+# ============================================================================ log-probabilities
+def _check_ids(name: str, ids) -> None:
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+        got = f"{type(ids).__name__} {tuple(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise TypeError(f"{name}: expected an integer tensor [batch, length], got {got}")
+
+
+def _response_mask(response_ids: torch.Tensor, response_mask: torch.Tensor | None) -> torch.Tensor:
+    if response_mask is None:
+        return torch.ones_like(response_ids, dtype=torch.bool)
+    if not isinstance(response_mask, torch.Tensor) or response_mask.shape != response_ids.shape:
+        raise ValueError(f"response_mask: expected a tensor of response_ids' shape {tuple(response_ids.shape)}, "
+                         f"got {tuple(getattr(response_mask, 'shape', ()))}")
+    mask = response_mask.bool()
+    if (mask[:, 1:] & ~mask[:, :-1]).any():
+        raise ValueError("response_mask: expected right padding (True for the response's tokens, then False): "
+                         "a real token after padding would be conditioned on the padding")
+    return mask
+
+
+def token_logprobs(model: nn.Module, prompt_ids: torch.Tensor, response_ids: torch.Tensor,
+                   response_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``log p(response_t | prompt, response_<t)`` for every response token, ``[batch, response_len]``
+    (fp32), 0 where ``response_mask`` is False (right padding).
+
+    One forward pass over ``prompt + response`` (without its last token, which predicts nothing we
+    score): the logits at position ``i`` predict token ``i + 1``, so response token ``j`` (at position
+    ``P + j``) is scored by the logits at ``P + j - 1``. The prompt's own tokens are never scored.
+    """
+    _check_ids("prompt_ids", prompt_ids)
+    _check_ids("response_ids", response_ids)
+    if prompt_ids.shape[0] != response_ids.shape[0] or prompt_ids.shape[1] == 0 or response_ids.shape[1] == 0:
+        raise ValueError(f"prompt_ids, response_ids: expected non-empty tensors with one batch size, got "
+                         f"{tuple(prompt_ids.shape)} and {tuple(response_ids.shape)}")
+    mask = _response_mask(response_ids, response_mask)
+    prompt_len = prompt_ids.shape[1]
+    full = torch.cat([prompt_ids, response_ids], dim=1).long()
+    logits = model(full[:, :-1])[:, prompt_len - 1:].float()  # the positions that predict response tokens
+    logps = torch.log_softmax(logits, dim=-1).gather(-1, response_ids.long().unsqueeze(-1)).squeeze(-1)
+    return logps.masked_fill(~mask, 0.0)
+
+
+def sequence_logprobs(model: nn.Module, prompt_ids: torch.Tensor, response_ids: torch.Tensor,
+                      response_mask: torch.Tensor | None = None, average: bool = False) -> torch.Tensor:
+    """``log p(response | prompt)``, ``[batch]``: the sum of :func:`token_logprobs` over the response's real
+    tokens (what DPO and the Bradley-Terry view of a policy use), or with ``average=True`` their mean
+    (a per-token score that does not favour short responses; SimPO and length-normalised variants)."""
+    logps = token_logprobs(model, prompt_ids, response_ids, response_mask)
+    total = logps.sum(dim=1)
+    if not average:
+        return total
+    return total / _response_mask(response_ids, response_mask).sum(dim=1).clamp_min(1)
+
+
+# ============================================================================ responses and true rewards
+def answer_value(task: ArithmeticTask, text: str) -> int | None:
+    """The number a response states: the digits before its first ``;`` read in the task's order (reversed
+    for the adder), leading zeros allowed; ``None`` if it is not one to ``answer_width`` digits then ``;``."""
+    body, sep, _ = text.partition(";")
+    if not sep or not body or not body.isdigit() or len(body) > task.answer_width:
+        return None
+    return int(body[::-1] if task.reverse_answer else body)
+
+
+def concise_answer(task: ArithmeticTask, a: int, b: int) -> str:
+    """The answer without zero padding, e.g. ``"24;"`` where the adder writes ``"240;"`` (for ``42``)."""
+    value = task.answer(a, b)
+    digits = value[::-1] if task.reverse_answer else value
+    digits = digits.lstrip("0") or "0"
+    return (digits[::-1] if task.reverse_answer else digits) + ";"
+
+
+def true_reward(task: ArithmeticTask, a: int, b: int, text: str, preference: str = "correct") -> float:
+    """The hidden reward that labels the pairs. ``"correct"``: 1 for the right number (padded or not), else
+    0 — a verifiable reward. ``"concise"``: 1 for the right number without padding, 0.5 for the right
+    number with it, 0 for a wrong or malformed answer."""
+    if preference not in PREFERENCES:
+        raise ValueError(f"preference={preference!r}: expected one of {PREFERENCES}")
+    value = answer_value(task, text)
+    if value is None or value != OPS[task.op](int(a), int(b)):
+        return 0.0
+    if preference == "correct":
+        return 1.0
+    return 1.0 if text.partition(";")[0] + ";" == concise_answer(task, a, b) else 0.5
+
+
+def _near_miss(task: ArithmeticTask, a: int, b: int, rng: np.random.Generator) -> str:
+    """The right padded answer with one digit changed: a wrong answer that looks like a right one."""
+    answer = list(task.answer(a, b))
+    position = int(rng.integers(len(answer)))
+    answer[position] = str((int(answer[position]) + int(rng.integers(1, 10))) % 10)
+    return "".join(answer) + ";"
+
+
+def _truncated(task: ArithmeticTask, a: int, b: int) -> str:
+    """The concise answer with its last written digit dropped: short, and wrong."""
+    body = concise_answer(task, a, b)[:-1]
+    return (body[:-1] or "0") + ";"
+
+
+@dataclass
+class PreferencePairs:
+    """Preference pairs on one split: token ids (responses right-padded, ``*_mask`` True on real tokens),
+    the operands, the texts, the hidden true rewards, and which labels the noise flipped."""
+
+    prompt_ids: torch.Tensor  # [n, prompt_len]
+    chosen_ids: torch.Tensor  # [n, L]
+    chosen_mask: torch.Tensor
+    rejected_ids: torch.Tensor
+    rejected_mask: torch.Tensor
+    operands: np.ndarray  # [n, 2]
+    chosen_text: list[str]
+    rejected_text: list[str]
+    chosen_reward: torch.Tensor  # true reward of what is labelled chosen (after noise)
+    rejected_reward: torch.Tensor
+    flipped: torch.Tensor  # [n] bool: the label disagrees with the true reward
+    preference: str
+
+    def __len__(self) -> int:
+        return len(self.chosen_text)
+
+    def subset(self, index) -> "PreferencePairs":
+        """The pairs at ``index`` (a slice, an index tensor or array)."""
+        if isinstance(index, torch.Tensor):
+            index = index.cpu().numpy()
+        idx = np.arange(len(self))[index]
+        pick = lambda t: t[torch.as_tensor(idx, dtype=torch.long, device=t.device)]  # noqa: E731
+        return PreferencePairs(pick(self.prompt_ids), pick(self.chosen_ids), pick(self.chosen_mask), pick(self.rejected_ids),
+                               pick(self.rejected_mask), self.operands[idx], [self.chosen_text[i] for i in idx],
+                               [self.rejected_text[i] for i in idx], pick(self.chosen_reward), pick(self.rejected_reward),
+                               pick(self.flipped), self.preference)
+
+    def to(self, device) -> "PreferencePairs":
+        tensors = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                   if isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, **tensors)
+
+
+def encode_responses(task: ArithmeticTask, texts: list[str], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded token ids ``[n, max_len]`` and their mask (padding: the ``;`` token, masked out)."""
+    encoded = [task.tokenizer.encode(t) for t in texts]
+    width = max(len(e) for e in encoded)
+    pad = task.tokenizer.encode(";")[0]
+    ids = torch.full((len(encoded), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(encoded), width), dtype=torch.bool)
+    for i, e in enumerate(encoded):
+        ids[i, :len(e)] = torch.tensor(e)
+        mask[i, :len(e)] = True
+    return ids.to(device), mask.to(device)
+
+
+def encode_prompts(task: ArithmeticTask, operands, device=None) -> torch.Tensor:
+    """``[n, prompt_len]`` prompt ids for operand pairs (every prompt of a task has the same length)."""
+    return torch.tensor([task.tokenizer.encode(task.prompt(a, b)) for a, b in operands], dtype=torch.long, device=device)
+
+
+def make_preference_pairs(task: ArithmeticTask, split: str = "train", preference: str = "correct", noise: float = 0.0,
+                          seed: int = 0, max_pairs: int | None = None, device=None) -> PreferencePairs:
+    """One preference pair per operand pair of ``task``'s ``split`` (the splits of :class:`ArithmeticTask`
+    are disjoint, so held-out pairs are about unseen problems), labelled by :func:`true_reward`.
+
+    ``"correct"``: the right answer vs a near miss (one digit changed). ``"concise"``: where the answer has
+    zero padding, the unpadded answer vs the padded one (both right: a *soft* preference); elsewhere the
+    full answer vs the same with its last digit dropped (shorter, and wrong), so that the preference is for
+    no padding, not for short answers. ``noise``: the probability that a rater swaps a pair's labels
+    (seeded with ``seed``; ``flipped`` records which). The pairs are shuffled with ``seed``.
+    """
+    if preference not in PREFERENCES:
+        raise ValueError(f"preference={preference!r}: expected one of {PREFERENCES}")
+    if not isinstance(noise, (int, float)) or not 0.0 <= noise <= 1.0:
+        raise ValueError(f"noise={noise!r}: expected a probability in [0, 1]")
+    rng = np.random.default_rng(seed)
+    operands = task.pairs(split)
+    operands = operands[rng.permutation(len(operands))][:max_pairs]
+    if len(operands) == 0:
+        raise ValueError(f"max_pairs={max_pairs}: no pairs to build")
+    first, second = [], []
+    for a, b in operands:
+        if preference == "correct":
+            first.append(task.answer(a, b) + ";")
+            second.append(_near_miss(task, a, b, rng))
+        else:
+            concise, padded = concise_answer(task, a, b), task.answer(a, b) + ";"
+            first.append(concise)
+            second.append(padded if padded != concise else _truncated(task, a, b))
+    r_first = torch.tensor([true_reward(task, a, b, t, preference) for (a, b), t in zip(operands, first)])
+    r_second = torch.tensor([true_reward(task, a, b, t, preference) for (a, b), t in zip(operands, second)])
+    if not bool((r_first > r_second).all()):
+        raise RuntimeError("make_preference_pairs: a candidate pair is not ordered by the true reward")
+    flipped = torch.from_numpy(rng.random(len(operands)) < noise)
+    chosen = [s if f else c for c, s, f in zip(first, second, flipped.tolist())]
+    rejected = [c if f else s for c, s, f in zip(first, second, flipped.tolist())]
+    chosen_ids, chosen_mask = encode_responses(task, chosen, device)
+    rejected_ids, rejected_mask = encode_responses(task, rejected, device)
+    return PreferencePairs(encode_prompts(task, operands, device), chosen_ids, chosen_mask, rejected_ids, rejected_mask,
+                           operands, chosen, rejected, torch.where(flipped, r_second, r_first).to(device),
+                           torch.where(flipped, r_first, r_second).to(device), flipped.to(device), preference)
+
+
+# ============================================================================ sampling and verifiable rewards
+def response_mask_from_stop(response_ids: torch.Tensor, stop_id: int) -> torch.Tensor:
+    """True up to and including the first ``stop_id`` of each row (everything if there is none)."""
+    is_stop = response_ids == stop_id
+    before = torch.cumsum(is_stop.long(), dim=1) - is_stop.long()  # stops strictly before each position
+    return before == 0
+
+
+@torch.no_grad()
+def sample_responses(model: nn.Module, prompt_ids: torch.Tensor, task: ArithmeticTask, temperature: float = 1.0,
+                     generator: torch.Generator | None = None, max_new_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one response per prompt row (``temperature=0``: greedy); returns ids ``[n, max_new_tokens]``
+    and the mask of the tokens up to the first ``;`` (the end of an answer)."""
+    new = task.answer_width + 1 if max_new_tokens is None else max_new_tokens
+    out = generate(model, prompt_ids, new, temperature=temperature, generator=generator)[:, prompt_ids.shape[1]:]
+    return out, response_mask_from_stop(out, task.tokenizer.encode(";")[0])
+
+
+def decode_responses(task: ArithmeticTask, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+    return [task.tokenizer.decode(ids[mask]) for ids, mask in zip(response_ids.cpu(), response_mask.cpu())]
+
+
+def decode_operands(task: ArithmeticTask, prompt_ids: torch.Tensor) -> list[tuple[int, int]]:
+    n = task.num_digits
+    texts = [task.tokenizer.decode(p) for p in prompt_ids.cpu()]
+    return [(int(t[:n]), int(t[n + 1:2 * n + 1])) for t in texts]
+
+
+def verifiable_reward(task: ArithmeticTask, preference: str = "correct") -> Callable:
+    """``reward_fn(prompt_ids, response_ids, response_mask) -> [n]`` float tensor: :func:`true_reward` of
+    each decoded response (``"correct"``: is the answer right — a reward checked, not learned)."""
+    if preference not in PREFERENCES:
+        raise ValueError(f"preference={preference!r}: expected one of {PREFERENCES}")
+
+    def reward_fn(prompt_ids, response_ids, response_mask):
+        texts = decode_responses(task, response_ids, response_mask)
+        values = [true_reward(task, a, b, t, preference) for (a, b), t in zip(decode_operands(task, prompt_ids), texts)]
+        return torch.tensor(values, device=response_ids.device)
+
+    return reward_fn
+
+
+@torch.no_grad()
+def policy_report(model: nn.Module, task: ArithmeticTask, split: str = "val", preference: str = "correct",
+                  max_examples: int | None = 256, samples: int = 0, seed: int = 0) -> dict:
+    """Greedy answers on ``split``: mean true reward, accuracy (right number), fraction written concisely
+    (no padding, right or wrong) and fraction malformed; with ``samples > 0`` also the mean true reward of
+    that many sampled answers per prompt (temperature 1)."""
+    device = next(model.parameters()).device
+    operands = task.pairs(split)[:max_examples]
+    prompts = encode_prompts(task, operands, device)
+    ids, mask = sample_responses(model, prompts, task, temperature=0.0)
+    texts = decode_responses(task, ids, mask)
+    rewards = [true_reward(task, a, b, t, preference) for (a, b), t in zip(operands, texts)]
+    correct = [true_reward(task, a, b, t, "correct") for (a, b), t in zip(operands, texts)]
+    padded_width = task.answer_width + 1
+    report = {"reward": float(np.mean(rewards)), "accuracy": float(np.mean(correct)),
+              "concise": float(np.mean([len(t) < padded_width and t.endswith(";") for t in texts])),
+              "malformed": float(np.mean([answer_value(task, t) is None for t in texts])), "texts": texts[:8]}
+    if samples:
+        gen = torch.Generator().manual_seed(seed)
+        ids, mask = sample_responses(model, prompts.repeat_interleave(samples, 0), task, 1.0, gen)
+        reward_fn = verifiable_reward(task, preference)
+        report["sampled_reward"] = reward_fn(prompts.repeat_interleave(samples, 0), ids, mask).mean().item()
+    return report
+
+
+# ============================================================================ reward model
+class RewardModel(nn.Module):
+    """A language model's trunk (a copy of ``backbone`` with its LM head removed) and a scalar head read at
+    each sequence's last real token: ``r(prompt, response)``. Both responses of a pair go through the same
+    network; only the difference of their scores enters the loss (:func:`bradley_terry_loss`)."""
+
+    def __init__(self, backbone: TransformerLM):
+        super().__init__()
+        if not isinstance(backbone, TransformerLM):
+            raise TypeError(f"backbone: expected a labkit TransformerLM, got {type(backbone).__name__}")
+        self.trunk = copy.deepcopy(backbone)
+        self.trunk.lm_head = nn.Identity()  # the trunk now returns the final-norm hidden states
+        weight = backbone.lm_head.weight
+        self.head = Linear(backbone.config.d_model, 1, device=weight.device, dtype=weight.dtype)
+        self.trunk.requires_grad_(True)
+
+    def forward(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Scores ``[batch]`` of ``prompt + response``, read at the response's last real token."""
+        _check_ids("prompt_ids", prompt_ids)
+        _check_ids("response_ids", response_ids)
+        mask = _response_mask(response_ids, response_mask)
+        hidden = self.trunk(torch.cat([prompt_ids, response_ids], dim=1).long())
+        last = prompt_ids.shape[1] + mask.sum(dim=1) - 1
+        return self.head(hidden[torch.arange(hidden.shape[0], device=hidden.device), last]).squeeze(-1).float()
+
+    def score_pairs(self, pairs: PreferencePairs) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(r_chosen, r_rejected)`` for every pair."""
+        return (self(pairs.prompt_ids, pairs.chosen_ids, pairs.chosen_mask),
+                self(pairs.prompt_ids, pairs.rejected_ids, pairs.rejected_mask))
+
+
+def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Tensor:
+    """``-mean log sigmoid(r_chosen - r_rejected)``: the negative log-likelihood of the labels under the
+    Bradley-Terry model ``P(chosen > rejected) = sigmoid(r_chosen - r_rejected)``. ``logsigmoid`` is
+    computed stably (``-softplus(-d)``), so a large margin never overflows."""
+    if not isinstance(r_chosen, torch.Tensor) or not isinstance(r_rejected, torch.Tensor) or r_chosen.shape != r_rejected.shape:
+        raise ValueError("r_chosen, r_rejected: expected two tensors of one shape, got "
+                         f"{tuple(getattr(r_chosen, 'shape', ()))} and {tuple(getattr(r_rejected, 'shape', ()))}")
+    if r_chosen.numel() == 0:
+        raise ValueError("r_chosen: expected at least one pair")
+    return -torch.nn.functional.logsigmoid(r_chosen - r_rejected).mean()
+
+
+def bradley_terry_probability(reward_difference) -> torch.Tensor:
+    """``P(chosen > rejected) = sigmoid(r_chosen - r_rejected)`` under the Bradley-Terry model."""
+    return torch.sigmoid(torch.as_tensor(reward_difference, dtype=torch.float64))
+
+
+@torch.no_grad()
+def preference_accuracy(reward_model: RewardModel, pairs: PreferencePairs, by_true_reward: bool = True) -> float:
+    """Fraction of pairs the reward model orders right: by the hidden true reward (default; what the
+    model should have learned even from noisy labels) or by the pairs' (possibly flipped) labels."""
+    was = reward_model.training
+    reward_model.eval()
+    r_chosen, r_rejected = reward_model.score_pairs(pairs)
+    reward_model.train(was)
+    right = r_chosen > r_rejected
+    if by_true_reward:
+        right = torch.where(pairs.flipped, ~right, right)
+    return right.float().mean().item()
+
+
+# ============================================================================ DPO
+class DPOLoss(NamedTuple):
+    """What :func:`dpo_loss` returns: the loss and the quantities TRL's DPOTrainer logs (per pair; its
+    ``rewards/chosen`` etc. are their means)."""
+
+    loss: torch.Tensor  # scalar
+    chosen_rewards: torch.Tensor  # beta * (log pi - log pi_ref) of the chosen responses, detached
+    rejected_rewards: torch.Tensor
+    margins: torch.Tensor  # chosen_rewards - rejected_rewards
+    accuracy: torch.Tensor  # scalar: fraction of pairs with chosen_rewards > rejected_rewards
+
+
+def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
+             ref_rejected_logps: torch.Tensor, beta: float = 0.1, label_smoothing: float = 0.0) -> DPOLoss:
+    """Direct preference optimisation (Rafailov et al., 2023) on summed response log-probabilities ``[n]``.
+
+    The implicit reward of a response is ``beta * (log pi(y|x) - log pi_ref(y|x))``; the loss is the
+    Bradley-Terry loss of the implicit rewards, ``-log sigmoid(beta * h)`` with
+    ``h = (log pi_c - log pi_ref_c) - (log pi_r - log pi_ref_r)``. With ``label_smoothing = eps`` the
+    labels are taken to be wrong with probability ``eps`` (the conservative DPO of Mitchell, 2023, TRL's
+    ``label_smoothing``): ``-(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)``. The reference is a
+    constant: its log-probabilities are detached here, so a reference computed with gradients is never updated.
+    """
+    tensors = (policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or len({t.shape for t in tensors}) != 1:
+        raise ValueError("policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps: "
+                         f"expected four tensors of one shape, got {[tuple(getattr(t, 'shape', ())) for t in tensors]}")
+    if not isinstance(beta, (int, float)) or not beta > 0:
+        raise ValueError(f"beta={beta!r}: expected a positive number")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing={label_smoothing!r}: expected a probability in [0, 0.5)")
+    chosen_logratio = policy_chosen_logps - ref_chosen_logps.detach()
+    rejected_logratio = policy_rejected_logps - ref_rejected_logps.detach()
+    h = chosen_logratio - rejected_logratio
+    logsigmoid = torch.nn.functional.logsigmoid
+    losses = -(1 - label_smoothing) * logsigmoid(beta * h) - label_smoothing * logsigmoid(-beta * h)
+    chosen_rewards, rejected_rewards = beta * chosen_logratio.detach(), beta * rejected_logratio.detach()
+    margins = chosen_rewards - rejected_rewards
+    return DPOLoss(losses.mean(), chosen_rewards, rejected_rewards, margins, (chosen_rewards > rejected_rewards).float().mean())
+
+
+def pair_logprobs(model: nn.Module, pairs: PreferencePairs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probabilities ``(chosen, rejected)`` of every pair under ``model`` (one batched forward)."""
+    n = len(pairs)
+    width = max(pairs.chosen_ids.shape[1], pairs.rejected_ids.shape[1])
+    ids = torch.cat([_pad_to(pairs.chosen_ids, width), _pad_to(pairs.rejected_ids, width)])
+    mask = torch.cat([_pad_to(pairs.chosen_mask, width), _pad_to(pairs.rejected_mask, width)])
+    logps = sequence_logprobs(model, pairs.prompt_ids.repeat(2, 1), ids, mask)
+    return logps[:n], logps[n:]
+
+
+def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=0)
+
+
+# ============================================================================ KL and GRPO
+def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """Per-sequence estimate of ``KL(pi || pi_ref)`` from tokens sampled from ``pi`` (``[n, T]`` log-probs,
+    ``mask`` the real tokens), summed over each sequence's tokens. ``"k1"``: ``log pi - log pi_ref``
+    (unbiased, can be negative); ``"k3"``: ``exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1`` (Schulman's
+    estimator DeepSeekMath's GRPO uses: unbiased too, and never negative)."""
+    if estimator not in ("k1", "k3"):
+        raise ValueError(f"estimator={estimator!r}: expected 'k1' or 'k3'")
+    log_ratio = ref_logps - logps
+    per_token = -log_ratio if estimator == "k1" else torch.exp(log_ratio) - log_ratio - 1
+    return (per_token * mask).sum(dim=1)
+
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+    """Group-normalised advantages: rewards ``[n_prompts * group_size]`` (each prompt's group contiguous),
+    ``(r - mean of its group) / (std of its group + eps)`` (sample std, as TRL's GRPOTrainer). A group whose
+    responses all got the same reward has advantage 0: it teaches nothing."""
+    if not isinstance(group_size, int) or group_size < 2:
+        raise ValueError(f"group_size={group_size!r}: expected an integer >= 2 (a group needs a comparison)")
+    if rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards: expected a 1-D tensor whose length is a multiple of group_size={group_size}, "
+                         f"got shape {tuple(rewards.shape)}")
+    groups = rewards.float().view(-1, group_size)
+    advantages = (groups - groups.mean(dim=1, keepdim=True)) / (groups.std(dim=1, keepdim=True) + eps)
+    return advantages.reshape(-1)
+
+
+class GRPOLoss(NamedTuple):
+    loss: torch.Tensor  # scalar, minimised
+    kl: torch.Tensor  # mean per-token k3 KL to the reference
+    clip_fraction: torch.Tensor  # fraction of tokens whose ratio was clipped
+
+
+def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor,
+              advantages: torch.Tensor, beta: float = 0.04, clip: float = 0.2) -> GRPOLoss:
+    """DeepSeekMath's GRPO objective, negated: per token ``min(rho A, clip(rho, 1 - clip, 1 + clip) A) -
+    beta * k3``, with ``rho = pi / pi_old`` and the k3 KL to the reference (:func:`kl_estimate`), averaged
+    over each response's tokens, then over responses. ``logps`` ``[n, T]`` carries the gradient;
+    ``old_logps`` (the sampling policy) and ``ref_logps`` are constants."""
+    if not (logps.shape == old_logps.shape == ref_logps.shape == mask.shape) or advantages.shape != logps.shape[:1]:
+        raise ValueError(f"logps, old_logps, ref_logps, mask: expected one shape [n, T] and advantages [n], got "
+                         f"{[tuple(t.shape) for t in (logps, old_logps, ref_logps, mask, advantages)]}")
+    if not 0 < clip < 1 or beta < 0:
+        raise ValueError(f"clip={clip!r}, beta={beta!r}: expected 0 < clip < 1 and beta >= 0")
+    mask = mask.float()
+    ratio = torch.exp(logps - old_logps.detach())
+    adv = advantages.detach()[:, None]
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    log_ratio_ref = ref_logps.detach() - logps
+    k3 = torch.exp(log_ratio_ref) - log_ratio_ref - 1
+    per_token = surrogate - beta * k3
+    lengths = mask.sum(dim=1).clamp_min(1)
+    loss = -((per_token * mask).sum(dim=1) / lengths).mean()
+    clipped = ((ratio - ratio.clamp(1 - clip, 1 + clip)).abs() > 0).float()
+    tokens = mask.sum().clamp_min(1)
+    return GRPOLoss(loss, ((k3 * mask).sum() / tokens).detach(), ((clipped * mask).sum() / tokens).detach())
+
+
+def grpo_step(policy: nn.Module, ref: nn.Module, prompts: torch.Tensor, reward_fn: Callable, group_size: int,
+              beta: float = 0.04, clip: float = 0.2, *, optimizer: torch.optim.Optimizer, task: ArithmeticTask,
+              updates: int = 1, temperature: float = 1.0, generator: torch.Generator | None = None,
+              grad_clip: float = 1.0) -> dict:
+    """One GRPO iteration: sample ``group_size`` responses per prompt from ``policy`` (the old policy),
+    score them with ``reward_fn(prompt_ids, response_ids, response_mask)``, normalise the rewards within
+    each group (:func:`grpo_advantages`), then take ``updates`` optimizer steps on :func:`grpo_loss` (with
+    ``updates > 1`` the ratio moves away from 1 and the clip matters). Returns the step's mean reward,
+    loss, k3 KL per token, clip fraction and the fraction of groups that carried any signal."""
+    _check_ids("prompts", prompts)
+    prompt_ids = prompts.repeat_interleave(group_size, dim=0)
+    response_ids, mask = sample_responses(policy, prompt_ids, task, temperature, generator)
+    rewards = reward_fn(prompt_ids, response_ids, mask).float()
+    advantages = grpo_advantages(rewards, group_size)
+    with torch.no_grad():
+        old_logps = token_logprobs(policy, prompt_ids, response_ids, mask)
+        ref_logps = token_logprobs(ref, prompt_ids, response_ids, mask)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    policy.train()
+    for _ in range(updates):
+        logps = token_logprobs(policy, prompt_ids, response_ids, mask)
+        out = grpo_loss(logps, old_logps, ref_logps, mask, advantages, beta, clip)
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        clip_grad_norm(params, grad_clip)
+        optimizer.step()
+    policy.eval()
+    informative = (rewards.view(-1, group_size).std(dim=1) > 0).float().mean()
+    return {"reward": rewards.mean().item(), "loss": out.loss.item(), "kl": out.kl.item(),
+            "clip_fraction": out.clip_fraction.item(), "informative_groups": informative.item()}
+
+
+@torch.no_grad()
+def kl_to_reference(policy: nn.Module, ref: nn.Module, task: ArithmeticTask, split: str = "val", max_examples: int = 256,
+                    samples: int = 4, seed: int = 0, estimator: str = "k1") -> float:
+    """``KL(pi || pi_ref)`` per response in nats, estimated from ``samples`` responses per prompt sampled from
+    ``policy`` at temperature 1 (:func:`kl_estimate` of their log-probabilities under both models)."""
+    device = next(policy.parameters()).device
+    prompts = encode_prompts(task, task.pairs(split)[:max_examples], device).repeat_interleave(samples, 0)
+    ids, mask = sample_responses(policy, prompts, task, 1.0, torch.Generator().manual_seed(seed))
+    return kl_estimate(token_logprobs(policy, prompts, ids, mask), token_logprobs(ref, prompts, ids, mask), mask, estimator).mean().item()
+
+
+# ============================================================================ training helpers
+def _fit(params: list, steps: int, lr: float, step_loss: Callable[[int], torch.Tensor], *, desc: str,
+         evaluate: Callable[[int], dict] | None = None, eval_every: int = 0, progress: bool = True,
+         warmup_iters: int = 5, weight_decay: float = 0.0, grad_clip: float = 1.0) -> dict:
+    """The loop the helpers share: AdamW (labkit.train), cosine schedule to lr/10, gradient clipping, a
+    progress bar; ``step_loss(step)`` returns the loss (or a tuple whose first item is the loss and whose
+    second is a dict logged per step); ``evaluate(step)`` every ``eval_every`` steps (and at 0 and the end)."""
+    if not isinstance(steps, int) or steps <= 0:
+        raise ValueError(f"steps={steps!r}: expected a positive integer")
+    if not params:
+        raise ValueError("model: no parameter requires a gradient; there is nothing to train")
+    optimizer = AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    log: dict = {"step": [], "loss": [], "eval_step": []}
+
+    def run_eval(step):
+        if evaluate is None:
+            return
+        log["eval_step"].append(step)
+        for k, v in evaluate(step).items():
+            log.setdefault("eval_" + k, []).append(v)
+
+    run_eval(0)
+    for step in tqdm(range(steps), desc=desc, disable=not progress):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_cosine_schedule(step, lr, lr / 10, warmup_iters, steps)
+        out = step_loss(step)
+        loss, extra = (out[0], out[1]) if isinstance(out, tuple) else (out, {})
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        clip_grad_norm(params, grad_clip)
+        optimizer.step()
+        log["step"].append(step + 1)
+        log["loss"].append(loss.item())
+        for k, v in extra.items():
+            log.setdefault(k, []).append(float(v))
+        if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps) or (not eval_every and step + 1 == steps):
+            run_eval(step + 1)
+    return log
+
+
+def _batches(n: int, batch_size: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    return lambda: torch.randint(n, (min(batch_size, n),), generator=generator)
+
+
+def _trainable(model: nn.Module) -> list:
+    return [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
+
+
+def train_sft(model: nn.Module, pairs: PreferencePairs, steps: int = 100, lr: float = 1e-3, batch_size: int = 64, *,
+              seed: int = 0, progress: bool = True) -> dict:
+    """Supervised fine-tuning on the chosen responses: minimise ``-log p(chosen | prompt)`` per token."""
+    draw = _batches(len(pairs), batch_size, seed)
+    model.train()
+
+    def step_loss(step):
+        batch = pairs.subset(draw())
+        return -sequence_logprobs(model, batch.prompt_ids, batch.chosen_ids, batch.chosen_mask, average=True).mean()
+
+    log = _fit(_trainable(model), steps, lr, step_loss, desc="SFT", progress=progress)
+    model.eval()
+    return log
+
+
+def train_reward_model(reward_model: RewardModel, pairs: PreferencePairs, steps: int = 100, lr: float = 1e-3,
+                       batch_size: int = 64, *, heldout: PreferencePairs | None = None, eval_every: int = 25,
+                       seed: int = 0, progress: bool = True) -> dict:
+    """Fit a reward model with :func:`bradley_terry_loss` on ``pairs``; every ``eval_every`` steps the held-out
+    preference accuracy (by the true reward). Returns the log (``loss``, ``eval_accuracy``, ...)."""
+    draw = _batches(len(pairs), batch_size, seed)
+    reward_model.train()
+
+    def step_loss(step):
+        batch = pairs.subset(draw())
+        r_chosen, r_rejected = reward_model.score_pairs(batch)
+        return bradley_terry_loss(r_chosen, r_rejected), {"train_accuracy": (r_chosen > r_rejected).float().mean().item()}
+
+    evaluate = (lambda step: {"accuracy": preference_accuracy(reward_model, heldout)}) if heldout is not None else None
+    log = _fit(_trainable(reward_model), steps, lr, step_loss, desc="reward model", evaluate=evaluate,
+               eval_every=eval_every, progress=progress)
+    reward_model.eval()
+    return log
+
+
+def train_dpo(policy: nn.Module, ref: nn.Module, pairs: PreferencePairs, steps: int = 100, lr: float = 1e-4,
+              beta: float = 0.1, batch_size: int = 64, *, label_smoothing: float = 0.0, nll_weight: float = 0.0,
+              evaluate: Callable[[int], dict] | None = None, eval_every: int = 0, seed: int = 0,
+              progress: bool = True) -> dict:
+    """DPO of ``policy`` against the frozen ``ref`` on ``pairs``. The reference log-probabilities of every
+    pair are computed once, without gradients. ``nll_weight > 0`` adds that times the chosen responses'
+    per-token negative log-likelihood (RPO, Pang et al. 2024; TRL's ``rpo_alpha``), which keeps DPO from
+    lowering the chosen responses along with the rejected ones. Logs per step the loss and TRL's quantities
+    (mean chosen and rejected implicit rewards, margin, accuracy) and the policy's mean log-probabilities of
+    the chosen and rejected responses."""
+    with torch.no_grad():
+        ref_chosen, ref_rejected = pair_logprobs(ref, pairs)
+    draw = _batches(len(pairs), batch_size, seed)
+    policy.train()
+
+    def step_loss(step):
+        index = draw()
+        chosen, rejected = pair_logprobs(policy, pairs.subset(index))
+        out = dpo_loss(chosen, rejected, ref_chosen[index], ref_rejected[index], beta, label_smoothing)
+        loss = out.loss
+        if nll_weight:
+            loss = loss - nll_weight * (chosen / pairs.chosen_mask[index].sum(dim=1)).mean()
+        return loss, {"chosen_reward": out.chosen_rewards.mean(), "rejected_reward": out.rejected_rewards.mean(),
+                          "margin": out.margins.mean(), "accuracy": out.accuracy,
+                          "chosen_logp": chosen.detach().mean(), "rejected_logp": rejected.detach().mean()}
+
+    log = _fit(_trainable(policy), steps, lr, step_loss, desc=f"DPO beta={beta:g}", evaluate=evaluate,
+               eval_every=eval_every, progress=progress)
+    policy.eval()
+    return log
+
+
+def train_grpo(policy: nn.Module, ref: nn.Module, task: ArithmeticTask, reward_fn: Callable, steps: int = 50,
+               prompts_per_step: int = 16, group_size: int = 8, lr: float = 1e-4, beta: float = 0.04, clip: float = 0.2,
+               *, updates: int = 1, evaluate: Callable[[int], dict] | None = None, eval_every: int = 10, seed: int = 0,
+               progress: bool = True) -> dict:
+    """GRPO: ``steps`` calls of :func:`grpo_step` on prompts drawn from ``task``'s training split (seeded),
+    constant learning rate. Logs per step the mean sampled reward, loss, KL per token, clip fraction and
+    informative-group fraction; ``evaluate(step)`` every ``eval_every`` steps (and at 0 and the end)."""
+    if not isinstance(steps, int) or steps <= 0:
+        raise ValueError(f"steps={steps!r}: expected a positive integer")
+    device = next(policy.parameters()).device
+    operands = task.pairs("train")
+    draw = _batches(len(operands), prompts_per_step, seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    optimizer = AdamW(_trainable(policy), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    log: dict = {"step": [], "eval_step": []}
+
+    def run_eval(step):
+        if evaluate is not None:
+            log["eval_step"].append(step)
+            for k, v in evaluate(step).items():
+                log.setdefault("eval_" + k, []).append(v)
+
+    ref.eval()
+    policy.eval()
+    run_eval(0)
+    for step in tqdm(range(steps), desc=f"GRPO beta={beta:g}", disable=not progress):
+        prompts = encode_prompts(task, operands[draw().numpy()], device)
+        stats = grpo_step(policy, ref, prompts, reward_fn, group_size, beta, clip, optimizer=optimizer, task=task,
+                          updates=updates, generator=generator)
+        log["step"].append(step + 1)
+        for k, v in stats.items():
+            log.setdefault(k, []).append(v)
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            run_eval(step + 1)
+    return log
+
+
+def reward_model_reward(reward_model: RewardModel) -> Callable:
+    """A learned reward as a ``reward_fn`` for :func:`grpo_step`: the reward model's score of each response."""
+    @torch.no_grad()
+    def reward_fn(prompt_ids, response_ids, response_mask):
+        reward_model.eval()
+        return reward_model(prompt_ids, response_ids, response_mask)
+
+    return reward_fn
+
+
+# ============================================================================ the early adder (shipped)
+def train_early_adder(device="cpu", progress: bool = True) -> TransformerLM:
+    """The shipped adder's own run (:data:`labkit.pretrained.RECIPE`, seed, task) stopped after
+    :data:`EARLY_STEPS` of its steps: the same weights the full run had at that step."""
+    task = adder_task()
+    torch.manual_seed(SEED)
+    from labkit.model import tiny_config
+
+    model = TransformerLM(tiny_config(task.vocab_size)).to(device)
+    train(model, task.tokens("train"), task.tokens("val"), RECIPE, device=device, stop_after=EARLY_STEPS, progress=progress)
+    return model.eval()
+
+
+def _early_recipe() -> dict:
+    return {"recipe": dataclasses.asdict(RECIPE), "seed": SEED, "stop_after": EARLY_STEPS}
+
+
+def save_early_adder(model: TransformerLM, path: os.PathLike = EARLY_ASSET) -> None:
+    atomic_save({"model": {k: v.cpu() for k, v in model.state_dict().items()},
+                 "config": dataclasses.asdict(model.config), **_early_recipe()}, path)
+
+
+def load_early_adder(device="cpu", path: os.PathLike = EARLY_ASSET) -> TransformerLM:
+    """The adder after :data:`EARLY_STEPS` steps of its recipe (in eval mode): it has learned the format
+    and some sums, so a verifiable reward has something to reinforce."""
+    payload = torch.load(path, map_location="cpu", weights_only=False)
+    if {k: payload.get(k) for k in _early_recipe()} != _early_recipe():
+        raise RuntimeError(f"{path} was made with another recipe than labkit.preference.train_early_adder: "
+                           "re-create it with `python -m labkit.preference`")
+    from labkit.model import ModelConfig
+
+    model = TransformerLM(ModelConfig(**payload["config"]))
+    model.load_state_dict(payload["model"])
+    return model.to(device).eval()
+
+
+if __name__ == "__main__":
+    import labkit
+
+    dev = labkit.setup(seed=SEED)
+    early = train_early_adder(dev)
+    save_early_adder(early)
+    print(f"saved {EARLY_ASSET}: val accuracy {adder_task().evaluate(early, 'val'):.1%} after {EARLY_STEPS} steps")
