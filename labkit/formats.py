@@ -34,8 +34,9 @@ class FloatFormat:
 
     * ``"ieee"``: the all-ones exponent is reserved; mantissa 0 is ±inf, anything else NaN
       (fp32, fp16, bf16, fp8_e5m2).
-    * ``"nan_only"``: no inf; only ``S.1111.111`` (all exponent and mantissa bits set) is NaN,
-      so the top binade holds ordinary numbers (fp8_e4m3, "E4M3FN": max 448 instead of 240).
+    * ``"nan_only"``: no inf; only ``S.1111.111`` (all exponent and mantissa bits set, either
+      sign: two codes, 0x7F and 0xFF in E4M3) is NaN, so the top binade holds ordinary numbers
+      (fp8_e4m3, "E4M3FN": max 448 instead of 240).
     * ``"finite"``: every code is a number, no inf and no NaN (OCP MX fp6/fp4 elements).
     """
 
@@ -185,9 +186,10 @@ def encode(x, fmt: str | FloatFormat, saturate: bool | None = None) -> torch.Ten
 
     Overflow (a value that rounds beyond ``fmt.max``, or ±inf) follows the format unless
     ``saturate`` says otherwise. ``None``: "ieee" formats give ±inf, the others clamp to ±max,
-    which is what PyTorch's casts do (torch 2.13 saturates float8_e4m3fn; older versions
-    returned NaN, which ``saturate=False`` reproduces). ``True`` always clamps to ±max, like
-    the hardware's saturating "satfinite" casts. NaN stays NaN.
+    which is what PyTorch's casts do since pytorch/pytorch#178817 (April 2026) made the eager
+    float8_e4m3fn cast saturate; releases before it returned NaN, which ``saturate=False``
+    reproduces. ``True`` always clamps to ±max, like the hardware's saturating "satfinite"
+    casts. NaN stays NaN.
     """
     fmt = get_format(fmt)
     x = _as_values(x, "x")

@@ -108,6 +108,42 @@ def batch_dependence(kind: str, change: str = "batchmates", training: bool = Tru
     return (out_first - out_second).abs().max().item()
 
 
+def future_token_leak(kind: str, seq: int = 8, d_model: int = 16, batch: int = 4, seed: int = 0) -> float:
+    """How much the outputs at positions ``0 .. seq-2`` move when only the *last* token of every
+    sequence changes, with the norm in training mode: the leak from the future that a causal
+    language model must not have. BatchNorm pools each feature over batch and sequence, so
+    every position sees the future token through the mean and variance; LayerNorm and RMSNorm
+    normalize each token on its own (exactly 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, seq, d_model, generator=gen)
+    changed = x.clone()
+    changed[:, -1] = 10 * torch.randn(batch, d_model, generator=gen) + 3  # only the future token differs
+    norm = make_norm(kind, d_model).train()
+    with torch.no_grad():
+        return (norm(x)[:, :-1] - norm(changed)[:, :-1]).abs().max().item()
+
+
+def truncated_normal_variance(cut: float) -> float:
+    """Variance of N(0, 1) truncated to ``[-cut, cut]`` (as ``nn.init.trunc_normal_`` draws it):
+    ``1 - 2 cut φ(cut) / (2Φ(cut) - 1)``. labkit's Linear cuts at 3 sigma: 0.9733 of the
+    nominal variance, a factor that a stack of layers compounds."""
+    if not cut > 0:
+        raise ValueError(f"cut={cut}: expected a positive number of standard deviations")
+    density = math.exp(-cut * cut / 2) / math.sqrt(2 * math.pi)
+    return 1 - 2 * cut * density / math.erf(cut / math.sqrt(2))
+
+
+def rmsnorm_llama_style(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """RMSNorm as Hugging Face's ``LlamaRMSNorm`` computes it: normalize in fp32, cast the
+    normalized value back to the input dtype, *then* multiply by the weight (in the weight's
+    dtype). labkit's RMSNorm and its Triton kernel multiply by the weight in fp32 and cast once
+    at the end (Liger-Kernel calls these casting modes "llama" and "none"), so in bf16 the two
+    round differently and are not bit-identical."""
+    x32 = x.float()
+    normalized = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * normalized.to(x.dtype)
+
+
 # ----------------------------------------------------------------------------- deep stacks
 @dataclass
 class StackStatistics:
@@ -349,7 +385,8 @@ def norm_explorer_view(norm: str = "layernorm", distribution: str = "outlier fea
 
 def activation_explorer_view(name: str = "silu", up: float = 1.0):
     """Widget callback: ``f(a)``, ``f'(a)`` and the GLU output ``f(a) * up`` over ``a`` in [-5, 5]
-    -> ``(curves, figure)`` where ``curves`` holds the three arrays."""
+    -> ``(curves, figure)`` where ``curves`` holds the three arrays. The y-limits follow the
+    curves (with a margin), so no curve is clipped whatever ``up`` is."""
     a = torch.linspace(-5, 5, 201)
     value, slope = activation_curves(a, [name])[name]
     curves = {"a": a, "f": value, "df": slope, "glu": value * up}
@@ -358,7 +395,10 @@ def activation_explorer_view(name: str = "silu", up: float = 1.0):
     ax.plot(a, slope, "--", label=f"{name}'(a)")
     ax.plot(a, value * up, ":", label=f"{name}(a) * b,  b = {up:g}")
     ax.axhline(0, color="gray", lw=0.5)
-    ax.set(xlabel="a (gate pre-activation)", ylim=(-2, 5), title=f"{name}: value, slope and GLU output")
+    shown = torch.cat([value, slope, value * up])
+    margin = 0.05 * (shown.max() - shown.min()).item() + 0.1
+    ax.set(xlabel="a (gate pre-activation)", ylim=(shown.min().item() - margin, shown.max().item() + margin),
+           title=f"{name}: value, slope and GLU output")
     ax.legend()
     fig.tight_layout()
     return curves, fig

@@ -40,3 +40,39 @@ def plot_histories(histories: dict, title: str = "Loss", val_only: bool = False)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def plot_loss_differences(histories: dict, reference: str, title: str = "Loss"):
+    """Runs whose curves would hide one another, drawn so that each stays visible: left, the
+    losses (the ``reference`` run thick and underneath, the others thin and dashed on top);
+    right, every other run's train loss (line) and validation loss (markers) minus the
+    reference's at the same steps."""
+    if reference not in histories:
+        raise ValueError(f"reference={reference!r}: expected one of the runs {list(histories)}")
+    base = histories[reference]
+    for label, h in histories.items():
+        if list(h.step) != list(base.step) or list(h.val_step) != list(base.val_step):
+            raise ValueError(f"histories[{label!r}]: logged at other steps than {reference!r}; differences need the same steps")
+    fig, (ax_loss, ax_diff) = plt.subplots(1, 2, figsize=(11, 3.6))
+    for label, h in histories.items():
+        is_base = label == reference
+        (line,) = ax_loss.plot(h.step, h.train_loss, lw=3 if is_base else 0.9, ls="-" if is_base else "--",
+                               alpha=0.45 if is_base else 0.9, zorder=1 if is_base else 2, label=f"{label} (train)")
+        ax_loss.plot(h.val_step, h.val_loss, "o" if is_base else "x", color=line.get_color(), ms=8 if is_base else 5,
+                     zorder=1 if is_base else 3, label=f"{label} (val)")
+        if not is_base:
+            ax_diff.plot(h.step, [a - b for a, b in zip(h.train_loss, base.train_loss)], lw=0.9, color=line.get_color(),
+                         label=f"{label} - {reference} (train)")
+            ax_diff.plot(h.val_step, [a - b for a, b in zip(h.val_loss, base.val_loss)], "o-", color=line.get_color(),
+                         ms=4, label=f"{label} - {reference} (val)")
+    ax_diff.axhline(0.0, color="k", lw=0.6)
+    ax_loss.set_ylabel("cross-entropy (nats/token)")
+    ax_diff.set_ylabel(f"difference from {reference} (nats/token)")
+    ax_loss.set_title(title)
+    ax_diff.set_title(f"Difference from {reference}, step by step")
+    for ax in (ax_loss, ax_diff):
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -142,6 +143,70 @@ def format_table(formats: Iterable[str] | None = None) -> list[dict]:
             }
         )
     return rows
+
+
+def values_per_binade(fmt: str | FloatFormat) -> dict[int, int]:
+    """How many positive finite values ``fmt`` has in each binade ``[2^k, 2^(k+1))``, from the
+    bit fields alone (so it works for fp32, whose 2^32 codes are too many to list): ``2^m`` in
+    every normal binade (one fewer in E4M3's top binade, whose last code is NaN), and in the
+    subnormal range the binade ``1 - bias - m + j`` holds ``2^j`` values (gradual underflow)."""
+    fmt = get_format(fmt)
+    m = fmt.mantissa_bits
+    counts = {1 - fmt.bias - m + j: 1 << j for j in range(m)}
+    top_exponent = (1 << fmt.exponent_bits) - (2 if fmt.has_inf else 1)
+    for exponent in range(1, top_exponent + 1):
+        counts[exponent - fmt.bias] = 1 << m
+    if fmt.specials == "nan_only":
+        counts[top_exponent - fmt.bias] -= 1
+    return counts
+
+
+@dataclass(frozen=True)
+class BlockScaling:
+    """A block-scaled storage scheme: ``block_size`` consecutive values of ``element`` share one
+    scale of ``scale_bits`` bits, and each tensor may carry one more scale of
+    ``tensor_scale_bits`` bits (NVFP4's fp32 per-tensor scale)."""
+
+    name: str
+    element: str
+    block_size: int
+    scale_bits: int
+    tensor_scale_bits: int = 0
+
+    @property
+    def bits_per_value(self) -> float:
+        """Element bits plus the block scale spread over its block (large-tensor limit)."""
+        return get_format(self.element).bits + self.scale_bits / self.block_size
+
+
+BLOCK_SCALINGS: dict[str, BlockScaling] = {
+    s.name: s
+    for s in (
+        BlockScaling("mxfp8", "fp8_e4m3", 32, 8),          # OCP MX v1.0: 32 elements share an E8M0 (8-bit power-of-two) scale
+        BlockScaling("mxfp6", "fp6_e2m3", 32, 8),
+        BlockScaling("mxfp4", "fp4_e2m1", 32, 8),
+        BlockScaling("nvfp4", "fp4_e2m1", 16, 8, 32),      # NVIDIA NVFP4: 16 elements share an FP8 E4M3 scale, plus an fp32 tensor scale
+    )
+}
+
+
+def storage_bytes(num_values: int, scheme: str | FloatFormat, num_tensors: int = 1) -> float:
+    """Bytes to store ``num_values`` values in ``scheme``: a format name (plain, unscaled) or a
+    :data:`BLOCK_SCALINGS` name, whose block scales (one per started block) and the per-tensor
+    scales of ``num_tensors`` tensors are counted too. Elements narrower than a byte are packed."""
+    if not isinstance(num_values, int) or isinstance(num_values, bool) or num_values < 0:
+        raise ValueError(f"num_values={num_values!r}: expected a non-negative integer")
+    if not isinstance(num_tensors, int) or isinstance(num_tensors, bool) or num_tensors < 1:
+        raise ValueError(f"num_tensors={num_tensors!r}: expected a positive integer")
+    if isinstance(scheme, str) and scheme in BLOCK_SCALINGS:
+        s = BLOCK_SCALINGS[scheme]
+        blocks = -(-num_values // s.block_size)  # one scale per started block
+        bits = num_values * get_format(s.element).bits + blocks * s.scale_bits + num_tensors * s.tensor_scale_bits
+        return bits / 8
+    try:
+        return num_values * get_format(scheme).bits / 8
+    except ValueError:
+        raise ValueError(f"scheme={scheme!r}: expected a format ({sorted(FORMATS)}) or a block scaling ({sorted(BLOCK_SCALINGS)})") from None
 
 
 # ----------------------------------------------------------------------------- mixed precision
@@ -399,6 +464,60 @@ def scaling_report(x: torch.Tensor, scale: float, fmt: str | FloatFormat = "fp8_
     nonzero = x != 0
     flushed = ((restored == 0) & nonzero).double().sum().item() / max(1, int(nonzero.sum()))
     return {"scale": scale, "clipped": clipped, "flushed": flushed, "rel_error": relative_error(restored, x)}
+
+
+def fake_quantize(x: torch.Tensor, fmt: str | FloatFormat = "fp8_e4m3", block: tuple[int, int] | None = None) -> torch.Tensor:
+    """``x`` (2-D) stored in ``fmt`` and read back (float64), with one amax scale for the whole
+    tensor (``block=None``) or one per ``block = (rows, cols)`` tile: DeepSeek-V3 scales
+    activations per ``(1, 128)`` tile and weights per ``(128, 128)`` block. Saturating, like
+    :func:`quantize`; an all-zero tile gets scale 1."""
+    fmt = get_format(fmt)
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 2:
+        raise ValueError(f"x: expected a 2-D floating-point tensor, got {type(x).__name__ if not isinstance(x, torch.Tensor) else (x.dtype, tuple(x.shape))}")
+    if block is None:
+        scale = amax_scale(x, fmt)
+        return dequantize(quantize(x, scale, fmt), scale, fmt).reshape(x.shape)
+    rows, cols = x.shape
+    if (not isinstance(block, tuple) or len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)
+            or rows % block[0] or cols % block[1]):
+        raise ValueError(f"block={block!r}: expected (rows, cols) of positive integers that divide x's shape {tuple(x.shape)}")
+    tiles = x.detach().double().reshape(rows // block[0], block[0], cols // block[1], block[1])
+    amax = tiles.abs().nan_to_num(posinf=0.0, neginf=0.0).amax(dim=(1, 3), keepdim=True)
+    scales = torch.where(amax > 0, amax / fmt.max, 1.0).float().double()  # fp32 scales, as stored
+    codes = encode((tiles / scales).float(), fmt, saturate=True)
+    return (decode(codes, fmt) * scales).reshape(rows, cols)
+
+
+def fp8_matmul_report(a: torch.Tensor, b: torch.Tensor, fmt: str | FloatFormat = "fp8_e4m3", rows: torch.Tensor | None = None,
+                      a_block: tuple[int, int] | None = None, b_block: tuple[int, int] | None = None) -> dict:
+    """How accurate ``a @ b`` is with both operands stored in ``fmt``, against the float64
+    product: ``rel_error`` over the whole output, ``rows_rel_error`` over the output rows
+    selected by the boolean mask ``rows`` (e.g. the rows free of outliers; None: all), and the
+    fractions of ``a``'s and ``b``'s non-zero entries that were flushed to zero. Each operand
+    gets one amax scale (block None) or one per tile (:func:`fake_quantize`): ``a_block`` tiles
+    ``a`` ([M, K]), ``b_block`` tiles ``b`` as stored for the GEMM, transposed ([N, K]), so
+    ``(1, 128)`` and ``(128, 128)`` are DeepSeek-V3's activation tiles and weight blocks. The
+    read-back operands are multiplied in float64: what a GEMM that applies the scales exactly
+    computes, without its accumulation error (the fp32 product of per-tensor-scaled operands
+    is :func:`fp8_matmul`)."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"a, b: expected [M, K] and [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if rows is None:
+        rows = torch.ones(a.shape[0], dtype=torch.bool)
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.bool or rows.shape != (a.shape[0],) or not rows.any():
+        raise ValueError(f"rows: expected a boolean mask of shape ({a.shape[0]},) selecting at least one row")
+    a_read = fake_quantize(a, fmt, a_block)
+    b_read = fake_quantize(b.t(), fmt, b_block).t()
+    exact = a.detach().double() @ b.detach().double()
+    approx = a_read @ b_read
+    rows = rows.cpu()
+
+    def flushed(original: torch.Tensor, read: torch.Tensor) -> float:
+        nonzero = original.detach().cpu() != 0
+        return ((read == 0) & nonzero).double().sum().item() / max(1, int(nonzero.sum()))
+
+    return {"rel_error": relative_error(approx, exact), "rows_rel_error": relative_error(approx[rows], exact[rows]),
+            "flushed_a": flushed(a, a_read), "flushed_b": flushed(b, b_read)}
 
 
 class DelayedScaling:

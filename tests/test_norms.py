@@ -299,3 +299,63 @@ def test_bench_suite_checks_correctness_without_a_gpu(capsys):
     rows = bench_norms.check_cpu()
     assert [r["op"] for r in rows] == ["rmsnorm", "softmax", "swiglu"]
     assert all(r["forward max error"] < 1e-5 and r["backward max error"] < 1e-5 for r in rows)
+
+
+@pytest.mark.parametrize("name,up", [("silu", 2.0), ("relu", -2.0), ("gelu", 2.0), ("sigmoid", -2.0)])
+def test_activation_explorer_limits_never_clip_a_curve(name, up):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    curves, fig = norms.activation_explorer_view(name, up=up)
+    low, high = fig.axes[0].get_ylim()
+    for key in ("f", "df", "glu"):
+        assert low < curves[key].min().item() and curves[key].max().item() < high
+    assert curves["glu"].max().item() > 5 or curves["glu"].min().item() < -2 or name == "sigmoid"  # the old fixed (-2, 5) clipped these
+
+
+def test_batchnorm_leaks_the_future_token_per_token_norms_do_not():
+    assert norms.future_token_leak("batchnorm") > 0.1
+    assert norms.future_token_leak("layernorm") == 0.0 and norms.future_token_leak("rmsnorm") == 0.0
+    # independent: torch's BatchNorm1d over (batch x seq) positions sees the same leak
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, 16, generator=gen)
+    changed = x.clone()
+    changed[:, -1] += 5.0
+    bn = torch.nn.BatchNorm1d(16).train()
+    with torch.no_grad():
+        moved = (bn(x.reshape(-1, 16)).reshape(4, 8, 16) - bn(changed.reshape(-1, 16)).reshape(4, 8, 16))[:, :-1]
+    assert moved.abs().max() > 0.1
+
+
+def test_truncated_normal_variance_matches_torch_init_and_compounds_over_depth():
+    assert norms.truncated_normal_variance(3.0) == pytest.approx(0.97334, abs=1e-5)
+    assert norms.truncated_normal_variance(2.0) == pytest.approx(0.77374, abs=1e-5)
+    samples = torch.empty(2_000_000)
+    torch.nn.init.trunc_normal_(samples, 0.0, 1.0, -3.0, 3.0, generator=torch.Generator().manual_seed(0))
+    assert samples.var().item() == pytest.approx(norms.truncated_normal_variance(3.0), abs=2e-3)
+    with pytest.raises(ValueError, match="cut"):
+        norms.truncated_normal_variance(0.0)
+
+
+def test_relu_stack_without_norm_is_exactly_homogeneous_in_the_gain():
+    # no biases and ReLU(g z) = g ReLU(z): with the same seed, gain 2 is gain 1 times exactly 2^k at layer k
+    one, two = norms.deep_stack("none", gain=1.0), norms.deep_stack("none", gain=2.0)
+    for k, (a, b) in enumerate(zip(one.activation_std, two.activation_std), start=1):
+        assert b / a == pytest.approx(2.0**k, rel=1e-5)
+
+
+def test_llama_style_rmsnorm_rounds_differently_from_labkits_in_bf16():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 512, generator=gen).bfloat16()
+    weight = (torch.rand(512, generator=gen) + 0.5).bfloat16()
+    layer = RMSNorm(512, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        ours, llama = layer(x), norms.rmsnorm_llama_style(x, weight)
+    # independent: Hugging Face's LlamaRMSNorm.forward, written out
+    x32 = x.float()
+    hf = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    assert torch.equal(llama, hf) and llama.dtype == torch.bfloat16
+    differ = (ours != llama).float().mean().item()
+    assert 0.05 < differ < 0.6  # a large share of entries differ ...
+    torch.testing.assert_close(ours.float(), llama.float(), rtol=2**-7, atol=0)  # ... by about one bf16 rounding

@@ -51,6 +51,53 @@ def test_published_fp8_ranges():
     assert P.decode(0x7C, "fp8_e5m2").item() == math.inf
 
 
+def test_e4m3fn_has_exactly_two_nan_codes_like_torch():
+    codes = torch.arange(256)
+    ours = P.decode(codes, "fp8_e4m3").isnan()
+    theirs = codes.to(torch.uint8).view(torch.float8_e4m3fn).float().isnan()
+    assert torch.equal(ours, theirs)
+    assert codes[ours].tolist() == [0x7F, 0xFF]  # S.1111.111 for either sign
+    assert P.encode(torch.tensor([math.nan, -math.nan]), "fp8_e4m3").tolist() == [0x7F, 0xFF]
+
+
+@pytest.mark.parametrize("name", list(P.FORMATS))
+def test_values_per_binade_counts_every_positive_finite_value(name):
+    fmt = P.get_format(name)
+    counts = P.values_per_binade(fmt)
+    if fmt.bits <= 16:
+        values = P.all_values(fmt)
+        positive = values[torch.isfinite(values) & (values > 0)]
+        binades, listed = torch.unique(torch.floor(torch.log2(positive)).long(), return_counts=True)
+        assert counts == dict(zip(binades.tolist(), listed.tolist()))
+    else:  # fp32: the positive finite codes are 1 .. 0x7F7FFFFF, read off torch's own bit patterns
+        top = torch.tensor(torch.finfo(torch.float32).max).view(torch.int32).item()
+        assert sum(counts.values()) == top
+        one, two = torch.tensor([1.0, 2.0]).view(torch.int32).tolist()
+        assert counts[0] == two - one
+        assert min(counts) == math.floor(math.log2(fmt.min_subnormal)) and max(counts) == math.floor(math.log2(fmt.max))
+
+
+def test_block_scaled_storage_matches_the_published_bit_counts():
+    # OCP MX v1.0: 32 elements share one 8-bit E8M0 scale; NVIDIA NVFP4: 16 FP4 elements share an
+    # FP8 E4M3 scale, plus one fp32 scale per tensor.
+    assert P.BLOCK_SCALINGS["mxfp4"].bits_per_value == 4.25
+    assert P.BLOCK_SCALINGS["nvfp4"].bits_per_value == 4.5
+    assert P.BLOCK_SCALINGS["mxfp8"].bits_per_value == 8.25
+    billion = 10**9
+    assert P.storage_bytes(billion, "fp4_e2m1") == billion / 2
+    assert P.storage_bytes(billion, "mxfp4") == billion / 2 + billion / 32
+    assert P.storage_bytes(billion, "nvfp4", num_tensors=7) == billion / 2 + billion / 16 + 7 * 4
+    assert P.storage_bytes(33, "mxfp4") == (33 * 4 + 2 * 8) / 8  # a started block pays a whole scale
+    assert P.storage_bytes(10, "bf16") == 20
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="num_values"):
+            P.storage_bytes(bad, "mxfp4")
+    with pytest.raises(ValueError, match="scheme"):
+        P.storage_bytes(10, "fp3")
+    with pytest.raises(ValueError, match="num_tensors"):
+        P.storage_bytes(10, "nvfp4", num_tensors=0)
+
+
 # OCP Microscaling Formats (MX) v1.0, section 5.3.3, table "FP6/FP4 element data types".
 OCP_MX = {
     "fp6_e3m2": dict(bias=3, max=28.0, min_normal=0.25, max_subnormal=0.1875, min_subnormal=0.0625),
@@ -142,7 +189,7 @@ def test_encode_matches_torch_cast_on_a_million_values(name):
     got, expected = P.encode(x, fmt), torch_codes(x, fmt)
     nan = torch.isnan(x)
     assert torch.isnan(P.decode(got[nan], fmt)).all()
-    # torch < 2.13 turned float8_e4m3fn overflow into NaN; torch 2.13 saturates, as encode does.
+    # torch releases before pytorch/pytorch#178817 turned float8_e4m3fn overflow into NaN; later ones saturate, as encode does.
     old_torch_overflow = torch.isnan(P.decode(expected, fmt)) & ~nan
     assert (P.decode(got[old_torch_overflow], fmt).abs() == fmt.max).all()
     mismatch = (got != expected) & ~nan & ~old_torch_overflow
@@ -414,6 +461,89 @@ def test_fp8_matmul_equals_torch_scaled_pipeline(fmt):
         P.fp8_matmul(a, a)
 
 
+def test_fake_quantize_per_tensor_and_per_tile_equal_torch_casts():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 256, generator=g) * torch.logspace(-4, 2, 4).unsqueeze(1)
+    x[2, 128:] = 0.0  # an all-zero tile gets scale 1 and stays zero
+    dtype = torch.float8_e4m3fn
+    scale = x.abs().max() / 448
+    # same codes; the read-back values may differ by the scale's fp32 rounding (1e-7), never by a code (6%)
+    torch.testing.assert_close(P.fake_quantize(x), ((x / scale).to(dtype).float() * scale).double(), rtol=1e-6, atol=0)
+    got = P.fake_quantize(x, block=(1, 128))
+    for r in range(4):
+        for c in (0, 128):
+            tile = x[r, c:c + 128]
+            s = tile.abs().max() / 448 if tile.abs().max() > 0 else torch.tensor(1.0)
+            torch.testing.assert_close(got[r, c:c + 128], (tile / s).to(dtype).double() * s.double(), rtol=1e-6, atol=0)
+    blocks = P.fake_quantize(x.t().contiguous(), block=(128, 2))
+    assert blocks.shape == (256, 4)
+    with pytest.raises(ValueError, match="block"):
+        P.fake_quantize(x, block=(1, 100))
+    with pytest.raises(ValueError, match="x"):
+        P.fake_quantize(x.flatten())
+
+
+def test_fp8_matmul_report_sees_outliers_that_the_norm_hides():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(256, 256, generator=g), torch.randn(256, 256, generator=g)
+    gaussian = P.fp8_matmul_report(a, b)
+    # independent: the torch pipeline with per-tensor scales, product in float64
+    sa, sb = a.abs().max() / 448, b.abs().max() / 448
+    a8 = (a / sa).to(torch.float8_e4m3fn).double() * sa.double()
+    b8 = (b / sb).to(torch.float8_e4m3fn).double() * sb.double()
+    assert gaussian["rel_error"] == pytest.approx(P.relative_error(a8 @ b8, a.double() @ b.double()), rel=1e-6)
+    assert gaussian["rel_error"] == pytest.approx(P.relative_error(P.fp8_matmul(a, b), a @ b), rel=0.05)
+    outliers = a.clone()
+    outliers.view(-1)[torch.randperm(a.numel(), generator=g)[:8]] = 1e5
+    clean_rows = ~(outliers.abs() > 100).any(dim=1)
+    per_tensor = P.fp8_matmul_report(outliers, b, rows=clean_rows)
+    tiles = P.fp8_matmul_report(outliers, b, rows=clean_rows, a_block=(1, 128), b_block=(128, 128))
+    expected_flushed = ((outliers / (1e5 / 448)).to(torch.float8_e4m3fn).float() == 0).double().mean().item()
+    assert per_tensor["flushed_a"] == pytest.approx(expected_flushed)
+    assert per_tensor["flushed_a"] > 0.05 and tiles["flushed_a"] < 0.01
+    assert per_tensor["rel_error"] < 1.5 * gaussian["rel_error"]  # the outliers dominate the norm ...
+    assert per_tensor["rows_rel_error"] > 2 * gaussian["rows_rel_error"]  # ... of an output whose ordinary rows got worse
+    assert tiles["rows_rel_error"] == pytest.approx(gaussian["rows_rel_error"], rel=0.1)
+    with pytest.raises(ValueError, match="rows"):
+        P.fp8_matmul_report(a, b, rows=torch.zeros(256, dtype=torch.bool))
+
+
+# ----------------------------------------------------------------------------- widgets (callbacks are the functions above)
+def test_value_ranges_plot_shows_every_format_and_its_range():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from labkit.widgets import precision as W
+
+    fig = W.plot_value_ranges()
+    full, zoom = fig.axes[:2]
+    labels = [t.get_text().split(" ")[0] for t in full.get_yticklabels()]
+    assert sorted(labels) == sorted(P.FORMATS)  # fp32 and fp6_e2m3 included
+    for row, name in enumerate(reversed(labels)):
+        fmt = P.get_format(name)
+        bars = [p for p in full.patches if abs(p.get_y() + p.get_height() / 2 - (len(labels) - 1 - row)) < 1e-9]
+        assert min(p.get_x() for p in bars) == math.floor(math.log2(fmt.min_subnormal))
+        assert max(p.get_x() + p.get_width() for p in bars) == math.floor(math.log2(fmt.max)) + 1
+    assert zoom.get_xlim() == (-26, 17)
+    matplotlib.pyplot.close(fig)
+
+
+def test_relative_error_plot_follows_each_formats_overflow_rule():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from labkit.widgets import precision as W
+
+    fig = W.plot_relative_error(("fp16", "fp8_e4m3"), low=10, high=20, bins=40, per_bin=4)
+    fp16, e4m3 = (line for line in fig.axes[0].lines if line.get_label().startswith("fp"))
+    assert "inf" in fp16.get_label() and "saturates" in e4m3.get_label()
+    x16, y16 = fp16.get_data()
+    assert (y16[x16 > 65520] == 2**0.5).all()  # fp16 overflows to inf, as in section 3 (70000 -> inf)
+    x8, y8 = e4m3.get_data()
+    assert ((y8[x8 > 2**10] < 1) & (y8[x8 > 2**10] > 0.5)).all()  # E4M3 saturates at 448: |448 - x| / x < 1
+    matplotlib.pyplot.close(fig)
+
+
 # ----------------------------------------------------------------------------- widgets (callbacks are the functions above)
 def test_bit_explorer_round_trips_bits_values_and_formats():
     pytest.importorskip("ipywidgets")
@@ -443,6 +573,6 @@ def test_cast_explorer_and_figures(capsys):
     out = capsys.readouterr().out
     assert "0.100097656" in out and "fp4_e2m1" in out
     W.cast_explorer(0.5)
-    for fig in (W.draw_bit_layouts(), W.plot_value_density(), W.plot_relative_error(bins=20, per_bin=8),
+    for fig in (W.draw_bit_layouts(), W.plot_value_ranges(), W.plot_relative_error(bins=20, per_bin=8),
                 W.plot_gradient_magnitudes(torch.randn(1000) * 1e-6)):
         matplotlib.pyplot.close(fig)

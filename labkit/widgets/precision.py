@@ -39,41 +39,59 @@ def draw_bit_layouts(formats=None):
     return fig
 
 
-def plot_value_density(formats=("fp16", "bf16", "fp8_e5m2", "fp8_e4m3", "fp6_e3m2", "fp4_e2m1")):
-    """How many representable positive values each format has per power of two: 2^m in every
-    normal binade (flat), fewer in the subnormal range, nothing past max."""
-    fig, ax = plt.subplots(figsize=(9, 3.6))
-    for name in formats:
-        values = P.all_values(name)
-        positive = values[torch.isfinite(values) & (values > 0)]
-        exponents = torch.floor(torch.log2(positive)).long()
-        binades, counts = torch.unique(exponents, return_counts=True)
-        ax.step(binades.numpy(), counts.numpy(), where="post", label=name)
-    ax.set_yscale("log", base=2)
-    ax.set_xlabel("binade: floor(log2 |x|)")
-    ax.set_ylabel("values per binade")
-    ax.set_title("Where the representable values lie")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
+def plot_value_ranges(formats=None, zoom: tuple[int, int] = (-26, 17)):
+    """Where each format's positive values lie, one row per format: a cell per binade
+    ``[2^k, 2^(k+1))`` coloured by how many values it holds (:func:`labkit.precision.values_per_binade`:
+    ``2^m`` in every normal binade, fewer and fewer through the subnormals, nothing past max).
+    Left: the whole range, fp32 and bf16 included; right: ``zoom`` (binades), where the FP8/FP6/FP4
+    formats live, wide enough to read."""
+    formats = [P.get_format(f) for f in (formats or P.FORMATS)]
+    counts = {f.name: P.values_per_binade(f) for f in formats}
+    densest = max(math.log2(max(c.values())) for c in counts.values())
+    cmap = plt.get_cmap("viridis")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.42 * len(formats) + 1.4), sharey=True,
+                             gridspec_kw={"width_ratios": [3, 2]}, layout="constrained")
+    for ax, (lo, hi) in zip(axes, [(None, None), zoom]):
+        for row, fmt in enumerate(formats):
+            y = len(formats) - 1 - row
+            binades, how_many = zip(*sorted(counts[fmt.name].items()))
+            ax.barh([y] * len(binades), 1, left=binades, height=0.7, edgecolor="none",
+                    color=[cmap(math.log2(count) / densest) for count in how_many])
+        ax.set_yticks(range(len(formats)), [f"{f.name} (2^{f.mantissa_bits}/binade)" for f in reversed(formats)], fontsize=8)
+        if lo is not None:
+            ax.set_xlim(lo, hi)
+        ax.set_xlabel("binade k:  values in [2^k, 2^(k+1))")
+        ax.grid(True, axis="x", alpha=0.3)
+    axes[0].set_title("Every format's range (log2 scale)", fontsize=10)
+    axes[1].set_title(f"Zoom on binades {zoom[0]}..{zoom[1]}", fontsize=10)
+    mappable = plt.cm.ScalarMappable(norm=plt.Normalize(0, densest), cmap=cmap)
+    fig.colorbar(mappable, ax=axes, label="log2(values per binade)", fraction=0.03, pad=0.02)
+    fig.suptitle("Where the representable values lie: 2^m per normal binade, thinning through the subnormals", fontsize=10)
     return fig
 
 
 def plot_relative_error(formats=("fp16", "bf16", "fp8_e4m3", "fp8_e5m2"), low: float = -30, high: float = 20, bins: int = 400, per_bin: int = 64):
-    """Worst relative rounding error ``|round_to(x) - x| / |x|`` in small bins of ``|x|``:
-    flat at eps/2 through the normal range, growing through the subnormals to 1 (underflow to
-    0) on the left, and growing past max (saturation) on the right."""
+    """Worst relative rounding error ``|round_to(x) - x| / |x|`` in small bins of ``|x|``, with
+    each format's own overflow rule (the cast of section 3): flat at eps/2 through the normal
+    range, growing through the subnormals to 1 (underflow to 0) on the left; past max E4M3 and
+    the MX elements saturate (the error climbs towards 1) while IEEE formats overflow to inf,
+    drawn as a flat line at the top edge marked "inf"."""
     x = torch.exp2(torch.linspace(low, high, bins * per_bin, dtype=torch.float64))
     centers = x.view(bins, per_bin)[:, per_bin // 2]
+    inf_level = 2.0**0.5  # where an infinite error is drawn, just under the top of the axis
     fig, ax = plt.subplots(figsize=(9, 3.8))
     for name in formats:
         fmt = P.get_format(name)
-        error = (P.round_to(x, fmt, saturate=True) - x).abs() / x
+        rounded = P.round_to(x, fmt)
+        error = torch.where(torch.isinf(rounded), inf_level, (rounded - x).abs() / x)
         worst = error.view(bins, per_bin).amax(dim=1)
-        (line,) = ax.plot(centers.numpy(), worst.numpy(), lw=1.2, label=f"{name} (eps/2 = 2^{-fmt.mantissa_bits - 1})")
+        overflow = "overflows to inf" if fmt.has_inf else "saturates at max"
+        (line,) = ax.plot(centers.numpy(), worst.numpy(), lw=1.2, label=f"{name} (eps/2 = 2^{-fmt.mantissa_bits - 1}, {overflow})")
         for edge, style in ((fmt.min_normal, ":"), (fmt.max, "--")):
             if 2.0**low <= edge <= 2.0**high:
                 ax.axvline(edge, color=line.get_color(), ls=style, lw=0.8)
+    ax.axhline(inf_level, color="0.5", lw=0.6)
+    ax.text(2.0**low, inf_level, " inf (overflow)", va="bottom", fontsize=7, color="0.4")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_ylim(2**-13, 2)
@@ -81,7 +99,7 @@ def plot_relative_error(formats=("fp16", "bf16", "fp8_e4m3", "fp8_e5m2"), low: f
     ax.set_ylabel("worst relative rounding error")
     ax.set_title("Precision is relative; the range has edges")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
 
@@ -196,5 +214,5 @@ def cast_explorer(value: float = 0.1):
     return widgets.VBox([box, out])
 
 
-__all__ = ["draw_bit_layouts", "plot_value_density", "plot_relative_error", "plot_gradient_magnitudes",
+__all__ = ["draw_bit_layouts", "plot_value_ranges", "plot_relative_error", "plot_gradient_magnitudes",
            "bit_explorer", "cast_explorer", "print_cast_table", "bits_of", "code_of"]
