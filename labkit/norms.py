@@ -3,7 +3,8 @@
 Every experiment the notebook shows is a function here: which axis each norm normalizes
 (``axis_statistics``), why BatchNorm is awkward for sequences (``batch_dependence``),
 vanishing/exploding signals in a deep stack and how a norm fixes them (``deep_stack``),
-Pre-LN vs Post-LN gradients at initialization (``block_gradient_norms``), the activation
+Pre-LN vs Post-LN gradients at initialization (``block_gradient_norms`` in labkit's LM,
+``ffn_gradient_profile`` in Xiong et al.'s encoder stack), the activation
 functions and their derivatives (``activation_curves``), SwiGLU's ``d_ff`` (``swiglu_d_ff``,
 ``ffn_param_counts``), norms in a trained model (``train_with_norms``), the Triton path
 (``use_triton_kernels``) and the bytes an RMSNorm moves (``rmsnorm_bytes``, ``count_op_bytes``).
@@ -19,7 +20,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from labkit.model import TransformerBlock, TransformerLM, tiny_config
-from labkit.nn import ACTIVATIONS, GLU, NORMS, Linear, RMSNorm, gelu, make_norm  # noqa: F401 (NORMS: the chapter lists norms.NORMS)
+from labkit.nn import ACTIVATIONS, GLU, NORMS, LayerNorm, Linear, RMSNorm, gelu, make_norm  # noqa: F401 (NORMS: the chapter lists norms.NORMS)
 from labkit.train import TrainConfig, cross_entropy, train
 
 DISTRIBUTIONS = ("gaussian", "outlier features", "token scales", "feature offsets")
@@ -221,6 +222,109 @@ def block_gradient_norms(placement: str, num_layers: int = 12, norm: str = "laye
     cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
     return [torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in block.ffn.parameters()])).item()
             for block in model.layers]
+
+
+FFN_KINDS = ("relu", "swiglu")
+POSITIONS = ("sinusoidal", "none")
+
+
+class EncoderBlock(nn.Module):
+    """The block of Xiong et al.'s (2020) encoder, in Post-LN or Pre-LN order: bidirectional
+    multi-head attention and a feed-forward ``w2(relu(w1 x))`` (or SwiGLU ``w2(silu(w1 x) * w3 x)``),
+    every weight Xavier-uniform initialized as in fairseq, whose models they measured."""
+
+    def __init__(self, d_model: int, num_heads: int, ffn: str, placement: str):
+        super().__init__()
+        self.placement, self.num_heads = placement, num_heads
+        self.ln1, self.ln2 = LayerNorm(d_model), LayerNorm(d_model)
+        self.q, self.k, self.v, self.out = (nn.Linear(d_model, d_model, bias=False) for _ in range(4))
+        d_ff = 4 * d_model if ffn == "relu" else swiglu_d_ff(d_model)  # same parameter count
+        self.w1, self.w2 = nn.Linear(d_model, d_ff, bias=False), nn.Linear(d_ff, d_model, bias=False)
+        self.w3 = nn.Linear(d_model, d_ff, bias=False) if ffn == "swiglu" else None
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, d_model = x.shape
+        q, k, v = (proj(x).view(batch, seq, self.num_heads, -1).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        return self.out(torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(batch, seq, d_model))
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is None:
+            return self.w2(torch.relu(self.w1(x)))
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.placement == "post":
+            x = self.ln1(x + self.attention(x))
+            return self.ln2(x + self.ffn(x))
+        x = x + self.attention(self.ln1(x))
+        return x + self.ffn(self.ln2(x))
+
+
+def sinusoidal_positions(seq: int, d_model: int) -> torch.Tensor:
+    """The original Transformer's positional encoding ``[seq, d_model]``: ``sin`` on even,
+    ``cos`` on odd features, at wavelengths ``2 pi * 10000^(2i/d)``."""
+    angles = torch.arange(seq, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
+    return torch.stack([angles.sin(), angles.cos()], dim=-1).reshape(seq, d_model).float()
+
+
+@dataclass
+class GradientProfile:
+    """Per layer, averaged over seeds: the norm of the FFN weights' gradient, and the std of
+    the residual stream entering the block."""
+
+    placement: str
+    ffn: str
+    positions: str
+    gradient_norm: list[float]
+    stream_std: list[float]
+
+    @property
+    def last_over_first(self) -> float:
+        """The gradient norm of the last layer divided by that of the first."""
+        return self.gradient_norm[-1] / self.gradient_norm[0]
+
+
+def ffn_gradient_profile(placement: str, ffn: str = "relu", positions: str = "sinusoidal", num_layers: int = 6,
+                         d_model: int = 64, num_heads: int = 4, batch: int = 8, seq: int = 32, vocab_size: int = 64,
+                         seeds=(0, 1, 2, 3)) -> GradientProfile:
+    """Xiong et al.'s (2020) Figure-3 measurement on a small encoder stack: at initialization,
+    the L2 norm of the gradient of each layer's FFN weights (``w1, w2``, and ``w3`` for SwiGLU)
+    for a cross-entropy loss on random tokens, averaged over ``seeds``.
+
+    Like their Transformer: token embeddings of unit scale (fairseq's ``N(0, 1/d)`` times
+    ``sqrt(d)``), ``positions="sinusoidal"`` added to them, Xavier init, a final LayerNorm only
+    for Pre-LN, and ``ffn="relu"`` (``d_ff = 4 d``). ``ffn="swiglu"`` and ``positions="none"``
+    (labkit's LM rotates q and k with RoPE instead, which adds nothing to the stream) change one
+    thing each.
+    """
+    for name, value, allowed in [("placement", placement, ("pre", "post")), ("ffn", ffn, FFN_KINDS), ("positions", positions, POSITIONS)]:
+        if value not in allowed:
+            raise ValueError(f"{name}={value!r}: expected one of {allowed}")
+    if num_layers < 1 or not seeds:
+        raise ValueError(f"num_layers={num_layers}, seeds={seeds!r}: expected num_layers >= 1 and at least one seed")
+    gradients, stds = torch.zeros(num_layers, dtype=torch.float64), torch.zeros(num_layers, dtype=torch.float64)
+    for seed in seeds:
+        torch.manual_seed(seed)
+        embeddings = torch.randn(vocab_size, d_model)
+        blocks = nn.ModuleList(EncoderBlock(d_model, num_heads, ffn, placement) for _ in range(num_layers))
+        final_norm = LayerNorm(d_model) if placement == "pre" else nn.Identity()
+        head = nn.Linear(d_model, vocab_size, bias=False)
+        nn.init.xavier_uniform_(head.weight)
+        tokens = torch.randint(0, vocab_size, (batch, seq + 1))
+        x = embeddings[tokens[:, :-1]]
+        if positions == "sinusoidal":
+            x = x + sinusoidal_positions(seq, d_model)
+        for layer, block in enumerate(blocks):
+            stds[layer] += x.std().item()
+            x = block(x)
+        cross_entropy(head(final_norm(x)), tokens[:, 1:]).backward()
+        for layer, block in enumerate(blocks):
+            weights = [w for w in (block.w1, block.w2, block.w3) if w is not None]
+            gradients[layer] += torch.linalg.vector_norm(torch.stack([w.weight.grad.norm() for w in weights])).item()
+    return GradientProfile(placement, ffn, positions, (gradients / len(seeds)).tolist(), (stds / len(seeds)).tolist())
 
 
 # ----------------------------------------------------------------------------- activations

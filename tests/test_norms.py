@@ -140,6 +140,70 @@ def test_pre_ln_gradients_match_a_manual_backward():
     expected = [math.sqrt(sum(p.grad.norm().item() ** 2 for p in b.ffn.parameters())) for b in model.layers]
     assert norms.block_gradient_norms("pre", num_layers=2, seq=16, seed=5) == pytest.approx(expected, rel=1e-5)
 
+def test_sinusoidal_positions_match_the_closed_form():
+    pe = norms.sinusoidal_positions(7, 6)
+    for pos in range(7):
+        for i in range(3):
+            angle = pos / 10000 ** (2 * i / 6)
+            assert pe[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+            assert pe[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+
+
+@pytest.mark.parametrize("ffn", norms.FFN_KINDS)
+def test_encoder_block_matches_a_hand_written_post_and_pre_ln(ffn):
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16)
+    ln = lambda t: torch.nn.functional.layer_norm(t, (16,), eps=1e-5)  # weight 1, bias 0 at init
+
+    def attention(block, t):  # softmax(q k^T / sqrt(d_head)) v per head, no mask (an encoder)
+        heads = lambda w: (t @ w.weight.T).view(2, 5, 4, 4).transpose(1, 2)
+        q, k, v = heads(block.q), heads(block.k), heads(block.v)
+        weights = torch.softmax(q @ k.transpose(-1, -2) / 2.0, dim=-1)
+        return (weights @ v).transpose(1, 2).reshape(2, 5, 16) @ block.out.weight.T
+
+    def feed_forward(block, t):
+        hidden = t @ block.w1.weight.T
+        hidden = torch.relu(hidden) if ffn == "relu" else torch.nn.functional.silu(hidden) * (t @ block.w3.weight.T)
+        return hidden @ block.w2.weight.T
+
+    post, pre = norms.EncoderBlock(16, 4, ffn, "post"), norms.EncoderBlock(16, 4, ffn, "pre")
+    h = ln(x + attention(post, x))
+    torch.testing.assert_close(post(x), ln(h + feed_forward(post, h)))
+    h = x + attention(pre, ln(x))
+    torch.testing.assert_close(pre(x), h + feed_forward(pre, ln(h)))
+    # d_ff: 4 d for ReLU; SwiGLU's 3 matrices get the same parameter count (labkit.norms.swiglu_d_ff)
+    assert post.w1.weight.shape == ((64, 16) if ffn == "relu" else (norms.swiglu_d_ff(16), 16))
+    # Xavier-uniform: bound sqrt(6 / (fan_in + fan_out))
+    assert post.w2.weight.abs().max().item() <= math.sqrt(6 / sum(post.w2.weight.shape))
+
+
+def test_ffn_gradient_profile_averages_single_seed_profiles():
+    one, two = (norms.ffn_gradient_profile("post", num_layers=3, seq=8, seeds=(s,)) for s in (0, 1))
+    both = norms.ffn_gradient_profile("post", num_layers=3, seq=8, seeds=(0, 1))
+    assert both.gradient_norm == pytest.approx([(a + b) / 2 for a, b in zip(one.gradient_norm, two.gradient_norm)], rel=1e-6)
+    assert both.stream_std == pytest.approx([(a + b) / 2 for a, b in zip(one.stream_std, two.stream_std)], rel=1e-6)
+    # Post-LN: every block after the first reads a LayerNorm output, std 1 (up to eps)
+    assert both.stream_std[1:] == pytest.approx([1.0, 1.0], abs=1e-3)
+    assert both.last_over_first == both.gradient_norm[-1] / both.gradient_norm[0]
+
+
+def test_ffn_gradient_profile_has_xiong_et_als_shape_and_labkits_reversal():
+    """Xiong et al. 2020, Figure 3: Post-LN's FFN gradients grow towards the output in their
+    ReLU encoder; with SwiGLU and no added positions (labkit's LM) the trend reverses."""
+    paper = norms.ffn_gradient_profile("post", "relu", "sinusoidal")
+    labkit_like = norms.ffn_gradient_profile("post", "swiglu", "none")
+    pre = norms.ffn_gradient_profile("pre", "relu", "sinusoidal")
+    assert paper.last_over_first > 1.05 and labkit_like.last_over_first < 0.9
+    assert pre.last_over_first < 0.75  # Pre-LN: ~1 / std of a growing residual stream
+    assert pre.stream_std == sorted(pre.stream_std) and paper.gradient_norm[-1] > 1.5 * pre.gradient_norm[-1]
+
+
+def test_ffn_gradient_profile_validates():
+    for kwargs, match in [(dict(placement="middle"), "placement="), (dict(placement="post", ffn="gelu"), "ffn="),
+                          (dict(placement="post", positions="rope"), "positions="), (dict(placement="post", seeds=()), "seeds=")]:
+        with pytest.raises(ValueError, match=match):
+            norms.ffn_gradient_profile(**kwargs)
+
 
 # ----------------------------------------------------------------------------- activations
 def test_activation_derivatives_match_closed_forms():
