@@ -53,10 +53,53 @@ def resolve_backend(backend: str, world_size: int) -> str:
 
 
 def rank_device() -> torch.device:
-    """The device this rank computes on: its own GPU under NCCL, the CPU under gloo."""
+    """The device this rank computes on: its own GPU under NCCL (``LOCAL_RANK``, the rank
+    within its machine), the CPU under gloo."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+        return torch.device("cuda", _local_rank() % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def _local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0))
+
+
+# What torchrun (torch.distributed.run) tells each rank; launch() sets the same for its ranks.
+RANK_ENVIRONMENT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_from_environment(backend: str = "auto", timeout: float = 600) -> tuple[int, int]:
+    """Join the process group described by the environment torchrun sets (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``) and return ``(rank,
+    world_size)``. Every rank of :func:`launch` and of ``python -m labkit.distrun`` under torchrun
+    starts here: one code path. ``backend="auto"``: NCCL when this machine has a GPU for the rank
+    (and ``LABKIT_DEVICE`` does not ask for the CPU), else gloo; under NCCL the rank takes GPU
+    ``LOCAL_RANK``."""
+    missing = [name for name in RANK_ENVIRONMENT if name not in os.environ]
+    if missing:
+        raise RuntimeError(f"init_from_environment: {missing} not set; start the ranks with torchrun "
+                           "(python -m torch.distributed.run) or labkit.dist.launch")
+    rank, world_size, local_rank = (int(os.environ[name]) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    if backend == "auto":
+        gpu = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
+        backend = "nccl" if gpu and os.environ.get("LABKIT_DEVICE", "cuda").startswith("cuda") else "gloo"
+    elif backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: expected 'auto', 'gloo' or 'nccl'")
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout))
+    return rank, world_size
+
+
+def end_rank(code: int = 0) -> None:
+    """Leave this rank's process now, without running C++ static destructors: at interpreter exit
+    the gloo/TCPStore threads are sometimes still joinable, and their destructors then abort the
+    process ("terminate called without an active exception", seen in ~1 of 8 launches) after the
+    rank has finished and saved its result. Flushes Python's output first."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def launch(fn, world_size: int = 2, backend: str = "auto", timeout: float = 120, quiet: bool = False, **kwargs) -> RankResults:
@@ -254,14 +297,14 @@ def _rank_main() -> None:
 
     run, rank = Path(sys.argv[1]), int(sys.argv[2])
     spec = torch.load(run / "spec.pt", weights_only=False)
-    world_size, backend = spec["world_size"], spec["backend"]
-    timeout = datetime.timedelta(seconds=spec["timeout"])
+    world_size = spec["world_size"]
     failed_marker = run / f"failed_{rank}"
+    # The environment torchrun would set: launch()'s TCP store plays the part of torchrun's agent
+    # store, which every rank joins as a client.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]), TORCHELASTIC_USE_AGENT_STORE="True")
     try:
-        store = dist.TCPStore("127.0.0.1", spec["port"], world_size + 1, is_master=False, timeout=timeout)
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        init_from_environment(spec["backend"], spec["timeout"])
         try:
             result = spec["fn"](rank, world_size, **spec["kwargs"])
         except BaseException:
@@ -275,15 +318,8 @@ def _rank_main() -> None:
         if not failed_marker.exists():
             failed_marker.write_text(repr(time.time()))
         traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    # Leave without running C++ static destructors: at interpreter exit the gloo/TCPStore
-    # threads are sometimes still joinable, and their destructors then abort the process
-    # ("terminate called without an active exception", seen in ~1 of 8 launches) after the
-    # rank has already finished and saved its result.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        end_rank(1)
+    end_rank(0)
 
 
 def _to_cpu(value):
@@ -572,33 +608,3 @@ def collective_table(results: dict, name: str) -> str:
         before, after = results[rank][name]
         lines.append(f"  rank {rank}: {_fmt(before):<34} -> {_fmt(after)}")
     return "\n".join(lines)
-
-
-def plot_collectives(results: dict):
-    """One panel per collective: each rank's values before (left) and after (right), as
-    coloured cells, from ``launch(labkit.dist_demos.collectives)`` results."""
-    import matplotlib.pyplot as plt
-
-    ranks = sorted(results)
-    fig, axes = plt.subplots(1, len(COLLECTIVES), figsize=(3.1 * len(COLLECTIVES), 0.9 + 0.55 * len(ranks)))
-    for ax, name in zip(axes, COLLECTIVES):
-        for row, rank in enumerate(ranks):
-            for col, tensor in enumerate(results[rank][name]):
-                values = [] if tensor is None else tensor.reshape(-1).tolist()[:8]
-                x0, width = col * 5.5, 4.5 / max(len(values), 1)
-                fontsize = 6 if len(values) <= 4 else 4  # narrower cells (all_gather, reduce_scatter): smaller labels
-                for i, v in enumerate(values):
-                    x = x0 + i * width
-                    ax.add_patch(plt.Rectangle((x, -row), width, 0.8, color=plt.cm.tab10(int(v // 10) % 10), ec="white"))
-                    ax.text(x + width / 2, -row + 0.4, f"{v:g}", ha="center", va="center", fontsize=fontsize, color="white")
-                if tensor is None:
-                    ax.text(x0 + 2.25, -row + 0.4, "undefined", ha="center", va="center", fontsize=7, color="gray")
-            ax.text(-0.3, -row + 0.4, f"rank {rank}", ha="right", va="center", fontsize=8)
-        ax.annotate("", xy=(5.4, 0.9), xytext=(4.6, 0.9), arrowprops=dict(arrowstyle="->"))
-        ax.set_xlim(-2.5, 10.2)
-        ax.set_ylim(-len(ranks) + 0.6, 1.3)
-        ax.set_title(name, fontsize=10)
-        ax.axis("off")
-    fig.suptitle("each rank's tensor before (left) and after (right) the collective; colour = the value's tens digit", fontsize=9)
-    fig.tight_layout()
-    return fig

@@ -88,28 +88,57 @@ def _train(model, wrapper, optimizer, x, y, steps: int) -> list[float]:
     return losses
 
 
+def _reference(base, x, y, steps: int, optimizer_cls, **opt_kwargs):
+    """Single-process training on the full batch, ``steps`` steps, computed on rank 0 only (every
+    rank would compute the same) and broadcast: the trained model, the per-step losses and the
+    bytes of the optimizer's state."""
+    reference = copy.deepcopy(base)
+    summary = torch.zeros(steps + 1, dtype=torch.float64, device=rank_device())  # losses, then state bytes
+    if dist.get_rank() == 0:
+        optimizer = optimizer_cls(reference.parameters(), **opt_kwargs)
+        losses = _train(reference, reference, optimizer, x, y, steps)
+        summary = torch.tensor([*losses, optimizer_state_bytes(optimizer)], dtype=torch.float64, device=rank_device())
+    for tensor in [*reference.parameters(), summary]:
+        dist.broadcast(tensor.data, src=0)
+    return reference, summary[:-1].tolist(), int(summary[-1])
+
+
 def _max_param_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
 
-def data_parallel(rank: int, world_size: int, steps: int = 3, global_batch: int = 8, seq_len: int = 16, bucket_size_mb: float = 0.01, seed: int = 0) -> dict:
-    """Train the same tiny model for ``steps`` AdamW steps four ways and compare parameters:
-    single-process on the full batch (the reference, run on every rank), our
-    :class:`DDPIndividual` and :class:`DDPBucketed`, and ``torch.nn.parallel.DistributedDataParallel``
-    (each rank on its ``1/world_size`` slice of the batch). Returns the max parameter
-    difference to the reference for each, and how many buckets the bucketed version used."""
-    from labkit.train import AdamW
+class _SummingDDP(DDPIndividual):
+    """The classic DDP bug, for contrast: all-reduce the gradients but forget to divide by the
+    number of ranks, so every step uses ``world_size`` times the mean gradient."""
 
+    def finish_gradient_synchronization(self) -> None:
+        super().finish_gradient_synchronization()
+        for p in self._unique_params():
+            if p.grad is not None:
+                p.grad.mul_(self.world_size)
+
+
+def data_parallel(rank: int, world_size: int, steps: int = 3, global_batch: int = 8, seq_len: int = 16, bucket_size_mb: float = 0.01,
+                  lr: float = 0.5, seed: int = 0) -> dict:
+    """Train the same tiny model for ``steps`` plain-SGD steps several ways and compare parameters
+    with single-process training on the full batch (the reference, computed on rank 0 and broadcast): our
+    :class:`DDPIndividual` and :class:`DDPBucketed`, ``torch.nn.parallel.DistributedDataParallel``
+    (each rank on its ``1/world_size`` slice of the batch) and, as a control, a DDP that sums the
+    gradients instead of averaging them. SGD, because its step is proportional to the gradient:
+    Adam(W) divides the gradient by its own running scale, so a summing DDP would match too.
+    Returns the max parameter difference to the reference for each, and how many buckets the
+    bucketed version used."""
+    if global_batch % world_size:
+        raise ValueError(f"global_batch={global_batch}: must split evenly over world_size={world_size} ranks")
     base, x, y = _toy_setup(seed, global_batch, seq_len)
     local = slice(rank * global_batch // world_size, (rank + 1) * global_batch // world_size)
-    reference = copy.deepcopy(base)
-    _train(reference, reference, AdamW(reference.parameters(), lr=1e-2), x, y, steps)
+    reference, _, _ = _reference(base, x, y, steps, torch.optim.SGD, lr=lr)
     out = {"params": sum(p.numel() for p in base.parameters())}
     for name, wrap in [("DDPIndividual", DDPIndividual), ("DDPBucketed", lambda m: DDPBucketed(m, bucket_size_mb)),
-                       ("torch DDP", torch.nn.parallel.DistributedDataParallel)]:
+                       ("torch DDP", torch.nn.parallel.DistributedDataParallel), ("summing DDP (a bug)", _SummingDDP)]:
         model = copy.deepcopy(base)
         wrapper = wrap(model)
-        _train(model, wrapper, AdamW(model.parameters(), lr=1e-2), x[local], y[local], steps)
+        _train(model, wrapper, torch.optim.SGD(model.parameters(), lr=lr), x[local], y[local], steps)
         out[name] = _max_param_diff(model, reference)
         if name == "DDPBucketed":
             out["buckets"] = len(wrapper.buckets)
@@ -123,35 +152,33 @@ def zero1(rank: int, world_size: int, steps: int = 3, global_batch: int = 8, seq
 
     base, x, y = _toy_setup(seed, global_batch, seq_len)
     local = slice(rank * global_batch // world_size, (rank + 1) * global_batch // world_size)
-    reference = copy.deepcopy(base)
-    full_opt = AdamW(reference.parameters(), lr=1e-2)
-    _train(reference, reference, full_opt, x, y, steps)
+    reference, _, unsharded_state_bytes = _reference(base, x, y, steps, AdamW, lr=1e-2)
     model = copy.deepcopy(base)
     ddp = DDPIndividual(model)
     sharded = ShardedOptimizer(model.parameters(), AdamW, lr=1e-2)
     _train(model, ddp, sharded, x[local], y[local], steps)
     return {"max_abs_diff": _max_param_diff(model, reference),
-            "state_bytes_unsharded": optimizer_state_bytes(full_opt),
+            "state_bytes_unsharded": unsharded_state_bytes,
             "state_bytes_sharded": optimizer_state_bytes(sharded.local_optimizer)}
 
 
-def fsdp(rank: int, world_size: int, steps: int = 3, global_batch: int = 8, seq_len: int = 16, seed: int = 0) -> dict:
+def fsdp(rank: int, world_size: int, steps: int = 3, global_batch: int = 8, seq_len: int = 16, lr: float = 0.5, seed: int = 0) -> dict:
     """PyTorch FSDP2 (``fully_shard`` on every block and the whole model) vs the unsharded
-    model trained on the full batch: per-step losses (the global mean over ranks) and the
+    model trained on the full batch, both with plain SGD (its step scales with the gradient, so
+    a wrongly scaled gradient shows): per-step losses (the global mean over ranks) and the
     parameter elements this rank stores."""
     from torch.distributed.fsdp import fully_shard
 
-    from labkit.train import AdamW, cross_entropy
+    from labkit.train import cross_entropy
 
     base, x, y = _toy_setup(seed, global_batch, seq_len)
     local = slice(rank * global_batch // world_size, (rank + 1) * global_batch // world_size)
-    reference = copy.deepcopy(base)
-    ref_losses = _train(reference, reference, AdamW(reference.parameters(), lr=1e-2), x, y, steps)
+    _, ref_losses, _ = _reference(base, x, y, steps, torch.optim.SGD, lr=lr)
     model = copy.deepcopy(base)
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
-    optimizer = AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
@@ -204,3 +231,69 @@ def several(rank: int, world_size: int, demos: dict[str, dict]) -> dict:
 
 
 _DEMOS = {f.__name__: f for f in (hello, collectives, ring_vs_all_reduce, data_parallel, zero1, fsdp)}
+
+
+# ----------------------------------------------------------------------------- drawing the collectives
+_COLLECTIVE_CAPTIONS = {
+    "broadcast": "rank 0's tensor copied to every rank",
+    "reduce": "the sum lands on the root (rank 0) only",
+    "all_reduce": "the sum lands on every rank",
+    "all_gather": "every rank gets every rank's tensor, in rank order",
+    "reduce_scatter": "chunk r, summed over ranks, lands on rank r",
+}
+
+
+def plot_collectives(results: dict):
+    """One panel per collective, from ``launch(collectives)`` results (``{rank: {name: (before,
+    after)}}``): each rank's tensor before (left) and after (right), one cell per value, every
+    value written out. A cell's colour says where its value came from: the colour of the rank
+    whose input held it, or dark grey for a sum over ranks; chunks of stacked tensors are
+    separated by gaps. Readable up to about 8 ranks."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    from labkit.dist import COLLECTIVES
+
+    ranks = sorted(results)
+    if not ranks or any(set(COLLECTIVES) - set(results[r]) for r in ranks):
+        raise ValueError(f"results: expected {{rank: {{name: (before, after)}}}} for every collective in {COLLECTIVES}")
+    colors = plt.cm.tab10.colors
+    sum_color = "#3b3b3b"
+
+    def rows(t):
+        return [] if t is None else [c.tolist() for c in (t if t.dim() == 2 else t[None])]
+
+    widths = [max(sum(len(c) for c in rows(results[r][n][side])) + len(rows(results[r][n][side])) for r in ranks for n in COLLECTIVES)
+              for side in (0, 1)]
+    fig, axes = plt.subplots(len(COLLECTIVES), 1, figsize=(max(9.0, 0.42 * (sum(widths) + 8)), len(COLLECTIVES) * (0.55 * len(ranks) + 0.75)))
+    for ax, name in zip(axes, COLLECTIVES):
+        origin = {v: r for r in ranks for chunk in rows(results[r][name][0]) for v in chunk}  # input value -> its rank
+        for row, rank in enumerate(ranks):
+            y = -row
+            ax.text(-0.4, y + 0.4, f"rank {rank}", ha="right", va="center", fontsize=10)
+            for side, x0 in ((0, 0.0), (1, widths[0] + 2.0)):
+                tensor = results[rank][name][side]
+                if tensor is None:
+                    ax.text(x0, y + 0.4, "undefined (not the root)", ha="left", va="center", fontsize=9, color="gray", style="italic")
+                    continue
+                x = x0
+                for chunk in rows(tensor):
+                    for v in chunk:
+                        src = origin.get(v)
+                        color = sum_color if src is None else colors[src % len(colors)]
+                        ax.add_patch(Rectangle((x, y), 0.95, 0.8, facecolor=color, edgecolor="white"))
+                        ax.text(x + 0.475, y + 0.4, f"{v:g}", ha="center", va="center", fontsize=8.5, color="white")
+                        x += 1
+                    x += 0.5  # gap between chunks
+        arrow_x = widths[0] + 0.6
+        ax.annotate("", xy=(arrow_x + 1.0, -len(ranks) / 2 + 0.9), xytext=(arrow_x, -len(ranks) / 2 + 0.9),
+                    arrowprops=dict(arrowstyle="->", lw=1.5))
+        ax.set_xlim(-3.2, widths[0] + widths[1] + 2.5)
+        ax.set_ylim(-len(ranks) + 0.8, 1.0)
+        ax.set_title(f"{name}: {_COLLECTIVE_CAPTIONS[name]}", fontsize=11, loc="left")
+        ax.axis("off")
+    legend = [Patch(color=colors[r % len(colors)], label=f"from rank {r}") for r in ranks] + [Patch(color=sum_color, label="sum over ranks")]
+    fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=10, frameon=False)
+    fig.suptitle("each rank's tensor before (left) and after (right) the collective", fontsize=12)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.97))
+    return fig

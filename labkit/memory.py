@@ -3,16 +3,22 @@
 Training memory per device is model state (parameters, gradients, optimizer states and, in
 mixed precision, fp32 master weights) plus activations: the tensors autograd saves during the
 forward pass to compute the backward pass. Model state depends only on the parameter count and
-the dtypes; activations grow with batch x sequence (and with sequence^2 wherever attention
-scores are materialised), which is why they dominate at long context.
+the dtypes; activations grow with batch x sequence, and with sequence^2 wherever attention
+scores are materialised: then they dominate at long context. A fused attention
+(``scaled_dot_product_attention``, FlashAttention) never stores the scores, and selective
+recomputation (Korthikanti et al., 2022) rebuilds them in backward; either leaves the linear part.
 
 - :class:`SavedTensorMeter` measures activations exactly, on any device: it sees every tensor
   autograd saves (``torch.autograd.graph.saved_tensors_hooks``), counts each storage once and
   leaves parameters out.
 - :func:`activation_terms` / :func:`estimate_training_memory` predict the same bytes from a
-  :class:`~labkit.model.ModelConfig` by walking labkit's own ``TransformerLM`` forward op by op.
+  :class:`~labkit.model.ModelConfig` by walking labkit's own ``TransformerLM`` forward op by op,
+  for each attention implementation in :data:`ATTENTION` (switched on a model by
+  :func:`attention_implementation`); :func:`korthikanti_activation_bytes` is the paper's formula.
 - :func:`zero_memory_per_device` is the ZeRO paper's model-state accounting.
-- :func:`measure_peak` and :func:`allocator_stats` read PyTorch's CUDA caching allocator.
+- :func:`measure_peak` and :func:`allocator_stats` read PyTorch's CUDA caching allocator;
+  :class:`CachingAllocatorSimulator` replays its documented rules on any machine, and
+  :func:`replay_allocations` runs the same requests on either.
 """
 from __future__ import annotations
 
@@ -28,6 +34,14 @@ from labkit.model import ModelConfig, count_parameters
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Optimizer states per parameter: Adam(W) keeps two moments (m, v), SGD with momentum one.
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
+# How attention's core (scores -> softmax -> weighted sum of V) keeps what backward needs:
+# "materialized": labkit's attention (labkit.nn.scaled_dot_product_attention) saves the
+#     [batch, heads, seq, seq] scores, their exp and the probabilities;
+# "selective": the same core under torch.utils.checkpoint (Korthikanti et al.'s selective
+#     recomputation): only q, k, v are kept and backward recomputes the core, one layer at a time;
+# "sdpa": torch.nn.functional.scaled_dot_product_attention (a fused, FlashAttention-style kernel):
+#     keeps q, k, v, its output and one fp32 logsumexp per query row, never a score matrix.
+ATTENTION = ("materialized", "selective", "sdpa")
 
 
 def _dtype(value, name: str = "param_dtype") -> torch.dtype:
@@ -147,8 +161,45 @@ def activation_checkpointing(model: torch.nn.Module):
             del layer.forward  # the instance attribute shadowed the class method
 
 
+@contextlib.contextmanager
+def attention_implementation(model: torch.nn.Module, attention: str):
+    """Inside this block every attention layer of ``model`` (a ``TransformerLM``) computes its
+    core the ``attention`` way (see :data:`ATTENTION`): ``"materialized"`` leaves labkit's own
+    attention; ``"selective"`` wraps it in ``torch.utils.checkpoint`` (keeps q, k, v; backward
+    recomputes the scores); ``"sdpa"`` calls ``torch.nn.functional.scaled_dot_product_attention``
+    with ``is_causal=True`` (for training: as many queries as keys)."""
+    from torch.utils.checkpoint import checkpoint
+
+    if attention not in ATTENTION:
+        raise ValueError(f"attention={attention!r}: expected one of {ATTENTION}")
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not all(hasattr(layer, "attn") for layer in layers):
+        raise TypeError(f"model: expected a model with a `layers` ModuleList of blocks with `.attn` (e.g. TransformerLM), got {type(model).__name__}")
+    if any(layer.attn.use_triton for layer in layers) and attention != "materialized":
+        raise ValueError("model uses the Triton kernels (use_triton=True): they replace the attention already")
+
+    def sdpa(q, k, v, _attn):
+        if q.shape[-2] != k.shape[-2]:
+            raise ValueError(f"attention='sdpa' is for training (as many queries as keys), got {q.shape[-2]} queries and {k.shape[-2]} keys")
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=_attn.num_heads != _attn.num_kv_heads)
+
+    for layer in layers:
+        original = layer.attn._attend
+        if attention == "selective":
+            # reentrant: the checkpoint keeps q, k, v through save_for_backward, so the meter sees them
+            layer.attn._attend = lambda q, k, v, _f=original: checkpoint(_f, q, k, v, use_reentrant=True)
+        elif attention == "sdpa":
+            layer.attn._attend = lambda q, k, v, _a=layer.attn: sdpa(q, k, v, _a)
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.attn.__dict__.pop("_attend", None)  # the instance attribute shadowed the class method
+
+
 # ----------------------------------------------------------------------------- predicting activations
-def activation_terms(config: ModelConfig, batch_size: int, seq_len: int, dtype="fp32", activation_checkpointing: bool = False) -> dict[str, int]:
+def activation_terms(config: ModelConfig, batch_size: int, seq_len: int, dtype="fp32", activation_checkpointing: bool = False,
+                     *, attention: str = "materialized") -> dict[str, int]:
     """Bytes autograd saves in one forward pass of labkit's ``TransformerLM`` plus
     ``labkit.train.cross_entropy``, by where they come from, derived op by op from
     ``labkit/nn.py`` (the PyTorch path; ``use_triton=False``).
@@ -156,18 +207,27 @@ def activation_terms(config: ModelConfig, batch_size: int, seq_len: int, dtype="
     Rules that set the sizes (``n = batch*seq`` rows, ``p`` bytes per element of ``dtype``):
     a matmul saves its input (``n*d_in*p``); RMSNorm computes in fp32, so it saves its input
     in fp32, the normalised fp32 tensor and ``1/rms`` per row (plus an fp32 copy of its
-    weight when the model is not fp32); attention materialises the ``[batch, heads, seq, seq]``
-    scores: the masked scores (kept by ``amax``), their exp and the probabilities, each
-    ``batch*heads*seq^2*p``; SwiGLU keeps the gate, ``sigmoid(gate)``, ``silu(gate)``, the up
+    weight when the model is not fp32); attention keeps q, k and v (each K/V head once) and
+    materialises the ``[batch, heads, seq, seq]`` scores: the masked scores (kept by ``amax``),
+    their exp and the probabilities, each ``batch*heads*seq^2*p``, plus a boolean causal mask
+    per GQA group member; SwiGLU keeps the gate, ``sigmoid(gate)``, ``silu(gate)``, the up
     projection and their product (``5 n*d_ff*p``); RoPE keeps its cos/sin tables; the loss
     works in fp32 and keeps the logits and their exp (``2 n*vocab*4``). Token ids and targets
     are counted as two tensors (``get_batch`` returns them as views of one buffer, which the
     meter counts once). With ``activation_checkpointing`` a block keeps only its input; while
     the backward pass recomputes a block, its activations (``recompute_block``) exist again,
     one block at a time.
+
+    ``attention`` (see :data:`ATTENTION`, and :func:`attention_implementation` to run a model
+    that way) changes only the attention core: ``"selective"`` keeps q, k, v
+    (``n*(heads + 2*kv_heads)*head_dim*p``) and no scores; the core of one layer is rebuilt
+    during backward (``recompute_block``); ``"sdpa"`` keeps the same q, k, v plus its output
+    (``n*heads*head_dim*p``) and a logsumexp per query row (``batch*heads*seq*4``).
     """
     _check_sizes(batch_size=batch_size, seq_len=seq_len)
     dt = _dtype(dtype, "dtype")
+    if attention not in ATTENTION:
+        raise ValueError(f"attention={attention!r}: expected one of {ATTENTION}")
     if config.use_triton:
         raise ValueError("config.use_triton=True: the estimate follows the PyTorch path of labkit.nn; the Triton kernels save different tensors")
     p, f32, low = dt.itemsize, 4, dt != torch.float32
@@ -188,12 +248,24 @@ def activation_terms(config: ModelConfig, batch_size: int, seq_len: int, dtype="
         "attn: q/k/v input": n * d * p,
         "attn: qk-norm": norm(hd, n * heads) + norm(hd, n * kv) if config.qk_norm else 0,
         "attn: rope cos/sin": 2 * 2 * seq_len * (hd // 2) * f32,
-        "attn: q, k, v": 3 * n * heads * hd * p,
-        "attn: scores, exp, probs": 3 * batch_size * heads * seq_len * seq_len * p,
-        "attn: row max, row sum": 2 * batch_size * heads * seq_len * p,
-        "attn: causal mask": seq_len * seq_len,
         "attn: output_proj input": n * heads * hd * p,
     }
+    # the core as labkit computes it (labkit.nn.grouped_query_attention): the matmuls save q, k and v, each K/V head
+    # once (a GQA group's queries are stacked, not K/V repeated), and the mask is repeated once per group member
+    unrepeated_qkv = n * (heads + 2 * kv) * hd * p
+    core = {
+        "attn: q, k, v": unrepeated_qkv,
+        "attn: scores, exp, probs": 3 * batch_size * heads * seq_len * seq_len * p,
+        "attn: row max, row sum": 2 * batch_size * heads * seq_len * p,
+        "attn: causal mask": (heads // kv) * seq_len * seq_len,
+    }
+    if attention == "materialized":
+        attn.update(core)
+    elif attention == "selective":
+        attn["attn: q, k, v (core recomputed)"] = unrepeated_qkv
+    else:
+        attn["attn: q, k, v"] = unrepeated_qkv
+        attn["attn: sdpa output, logsumexp"] = n * heads * hd * p + batch_size * heads * seq_len * f32
     ffn = {"ffn: norm": norm(d, n), "ffn: w1/w3 input": n * d * p, "ffn: gate/up/act/product": gate_saves * n * ff * p}
     block = {**attn, **ffn}
     block_total = sum(block.values())
@@ -206,7 +278,10 @@ def activation_terms(config: ModelConfig, batch_size: int, seq_len: int, dtype="
     terms["lm_head input"] = n * d * p
     # cross_entropy works in fp32: gather keeps the fp32 logits, exp() its result, log() the row sums.
     terms["loss: logits, exp(logits), row sums, targets"] = 2 * n * vocab * f32 + n * f32 + n * 8
-    terms["recompute_block"] = block_total if activation_checkpointing else 0
+    # what exists again while backward recomputes: one whole block, or (selective) one layer's attention core
+    # (its q, k, v are already held)
+    core_rebuilt = sum(core.values()) - unrepeated_qkv if attention == "selective" else 0
+    terms["recompute_block"] = block_total + core_rebuilt if activation_checkpointing else core_rebuilt
     return terms
 
 
@@ -297,6 +372,7 @@ def estimate_training_memory(
     mixed_precision: bool = False,
     optimizer: str = "adamw",
     activation_checkpointing: bool = False,
+    attention: str = "materialized",
     zero_stage: int = 0,
     world_size: int = 1,
 ) -> MemoryBreakdown:
@@ -304,17 +380,37 @@ def estimate_training_memory(
 
     ``batch_size`` is the micro-batch each device processes (data parallelism and ZeRO do not
     shrink activations; they shrink model state). Activations are computed in ``param_dtype``
-    (see :func:`activation_terms` for the term-by-term derivation).
+    with the ``attention`` implementation of :data:`ATTENTION` (see :func:`activation_terms`
+    for the term-by-term derivation).
     """
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config: expected a labkit.model.ModelConfig, got {type(config).__name__}")
     if seq_len > config.context_length:
         raise ValueError(f"seq_len={seq_len}: exceeds config.context_length={config.context_length}")
     state = model_state_bytes(count_parameters(config), param_dtype, mixed_precision, optimizer, zero_stage, world_size)
-    terms = activation_terms(config, batch_size, seq_len, param_dtype, activation_checkpointing)
+    terms = activation_terms(config, batch_size, seq_len, param_dtype, activation_checkpointing, attention=attention)
     state.recompute = terms.pop("recompute_block")
     state.activations = sum(terms.values())
     return state
+
+
+def korthikanti_activation_bytes(seq_len: int, batch_size: int, hidden: int, heads: int, num_layers: int = 1,
+                                 recompute: str = "none") -> int:
+    """Activation bytes of ``num_layers`` GPT layers by Korthikanti et al. (2022), *Reducing
+    Activation Recomputation in Large Transformer Models*, eq. (1) and section 5: per layer
+    ``s*b*h*(34 + 5*a*s/h)`` bytes in 16-bit precision without recomputation, ``34*s*b*h`` with
+    selective recomputation (``recompute="selective"``: the ``5*a*s^2*b`` attention core is
+    rebuilt in backward). The 34 counts, in units of ``s*b*h`` bytes: the two LayerNorm inputs
+    (2 + 2), the QKV input (2), Q and K (4), V (2), the output-projection input (2) and its
+    dropout mask (1), the MLP input (2), the GeLU input (8), the second matmul's input (8) and
+    its dropout mask (1); the ``5*a*s^2*b``: the softmax output (2), its dropout mask (1) and the
+    dropped-out probabilities (2). Their GPT: a ``4h`` GeLU MLP, LayerNorm, dropout everywhere."""
+    _check_sizes(seq_len=seq_len, batch_size=batch_size, hidden=hidden, heads=heads, num_layers=num_layers)
+    if recompute not in ("none", "selective"):
+        raise ValueError(f"recompute={recompute!r}: expected 'none' or 'selective'")
+    s, b, h, a = seq_len, batch_size, hidden, heads
+    core = 5 * a * s * s * b if recompute == "none" else 0
+    return num_layers * (34 * s * b * h + core)
 
 
 def zero_memory_per_device(num_params: float, world_size: int, stage: int, k: int = 12, bytes_per_param: int = 2) -> float:
@@ -410,27 +506,245 @@ def allocator_stats(device=None) -> dict[str, int]:
     return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device)}
 
 
-def fragmentation_demo(device=None, block_mb: int = 64, count: int = 8) -> list[tuple[str, int, int]]:
-    """Show why ``reserved`` exceeds ``allocated``: allocate ``count`` blocks, free every other
-    one, then ask for a block twice as large; the freed holes cannot serve it, so the allocator
-    reserves more. Returns ``(stage, allocated, reserved)`` rows. CUDA only."""
-    device = torch.device(device) if device is not None else torch.device("cuda")
+MiB = 2**20
 
-    def stats():
-        return allocator_stats(device)
 
-    torch.cuda.empty_cache()
-    rows = [("start", *stats().values())]
-    numel = block_mb * 2**20 // 4
-    blocks = [torch.empty(numel, device=device) for _ in range(count)]
-    rows.append((f"{count} x {block_mb} MB allocated", *stats().values()))
-    del blocks[::2]
-    rows.append(("every other block freed", *stats().values()))
-    big = torch.empty(2 * numel, device=device)
-    rows.append((f"one {2 * block_mb} MB block", *stats().values()))
-    del big, blocks
-    torch.cuda.empty_cache()
-    rows.append(("freed + empty_cache()", *stats().values()))
+@dataclass
+class _Block:
+    size: int
+    allocated: bool = False
+
+
+@dataclass
+class _Segment:
+    pool: str  # "small" or "large"
+    blocks: list  # _Blocks in address order; together they cover the segment
+    expandable: bool = False
+
+    @property
+    def size(self) -> int:
+        return sum(b.size for b in self.blocks)
+
+
+class CachingAllocatorSimulator:
+    """A simulation of PyTorch's CUDA caching allocator (``c10/cuda/CUDACachingAllocator.cpp``):
+    it allocates no memory, it replays the allocator's documented rules on sizes, so they can be
+    watched on any machine (on a GPU, :func:`cuda_allocator_layout` runs the same requests for
+    real, and the unit tests compare the two).
+
+    The rules: a request is rounded up to a multiple of 512 B. Requests of at most 1 MiB use the
+    *small* pool, larger ones the *large* pool. A request takes the smallest cached free block of
+    its pool that fits; if none fits, the allocator calls ``cudaMalloc`` for a new *segment*:
+    2 MiB for a small request, 20 MiB for a request under 10 MiB, else the request rounded up
+    to 2 MiB (its own segment). The block found is *split* when the rest is worth keeping (small
+    pool: at least 512 B; large pool: more than 1 MiB): the rest stays cached as a free block.
+    A freed block merges with free neighbours *of the same segment* and stays cached: the memory
+    remains reserved (``memory_reserved``) but not allocated (``memory_allocated``). Blocks of
+    different segments never merge, so a request can need a new segment although enough memory
+    is free in total: that is fragmentation. ``empty_cache()`` returns the segments that are
+    entirely free to the driver.
+
+    ``max_split_size_mb`` (``PYTORCH_CUDA_ALLOC_CONF``, must be > 20): blocks of at least that
+    size are never split, and a request smaller than it never takes one; a request at least
+    that large takes a cached block only if the block is less than 20 MiB larger.
+    ``expandable_segments=True``: each pool has one segment that grows by mapping pages (2 MiB
+    small, 20 MiB large) at its end, so all its blocks are neighbours and can merge; in this
+    simulation ``empty_cache()`` then unmaps the whole pages of the free block at the end of the
+    segment (the real allocator also unmaps free pages inside it), and the two options cannot be
+    combined.
+    """
+
+    MIN_BLOCK_SIZE = 512
+    SMALL_SIZE = 1 * MiB
+    SMALL_BUFFER = 2 * MiB
+    LARGE_BUFFER = 20 * MiB
+    MIN_LARGE_ALLOC = 10 * MiB
+    ROUND_LARGE = 2 * MiB
+
+    def __init__(self, max_split_size_mb: float | None = None, expandable_segments: bool = False):
+        if max_split_size_mb is not None and (isinstance(max_split_size_mb, bool) or not isinstance(max_split_size_mb, (int, float))
+                                              or not max_split_size_mb > self.LARGE_BUFFER // MiB):
+            raise ValueError(f"max_split_size_mb={max_split_size_mb!r}: expected None or a number > 20 (as PyTorch requires)")
+        if not isinstance(expandable_segments, bool):
+            raise TypeError(f"expandable_segments: expected a bool, got {type(expandable_segments).__name__}")
+        if expandable_segments and max_split_size_mb is not None:
+            raise ValueError("max_split_size_mb with expandable_segments=True: this simulation models them one at a time")
+        self.max_split_size = math.inf if max_split_size_mb is None else int(max_split_size_mb * MiB)
+        self.expandable_segments = expandable_segments
+        self.segments: list[_Segment] = []
+        self._live: dict[int, _Block] = {}
+        self._next_handle = 0
+        self.cuda_malloc_calls = 0
+
+    # --- the sizes
+    @classmethod
+    def round_size(cls, nbytes: int) -> int:
+        """A request rounded up to a multiple of 512 bytes (at least 512)."""
+        return max(cls.MIN_BLOCK_SIZE, -(-nbytes // cls.MIN_BLOCK_SIZE) * cls.MIN_BLOCK_SIZE)
+
+    @classmethod
+    def segment_size(cls, size: int) -> int:
+        """Bytes of the segment ``cudaMalloc`` gets for a (rounded) request no cached block serves."""
+        if size <= cls.SMALL_SIZE:
+            return cls.SMALL_BUFFER
+        if size < cls.MIN_LARGE_ALLOC:
+            return cls.LARGE_BUFFER
+        return -(-size // cls.ROUND_LARGE) * cls.ROUND_LARGE
+
+    # --- allocating and freeing
+    def malloc(self, nbytes: int) -> int:
+        """Allocate ``nbytes`` (> 0); returns a handle for :meth:`free`."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise ValueError(f"nbytes={nbytes!r}: expected a positive integer")
+        size = self.round_size(nbytes)
+        pool = "small" if size <= self.SMALL_SIZE else "large"
+        found = self._cached_block(size, pool) or self._new_memory(size, pool)
+        segment, index = found
+        block = segment.blocks[index]
+        remaining = block.size - size
+        if remaining >= self.MIN_BLOCK_SIZE if pool == "small" else (size < self.max_split_size and remaining > self.SMALL_SIZE):
+            block.size = size
+            segment.blocks.insert(index + 1, _Block(remaining))
+        block.allocated = True
+        self._next_handle += 1
+        self._live[self._next_handle] = block
+        return self._next_handle
+
+    def _cached_block(self, size: int, pool: str):
+        fits = [(b.size, s, i) for s, seg in enumerate(self.segments) if seg.pool == pool
+                for i, b in enumerate(seg.blocks) if not b.allocated and b.size >= size]
+        if not fits:
+            return None
+        best, s, i = min(fits)  # the smallest that fits (ties: the lowest address)
+        if size < self.max_split_size <= best:  # an unsplittable block would be wasted on a smaller request
+            return None
+        if size >= self.max_split_size and best >= size + self.LARGE_BUFFER:
+            return None
+        return self.segments[s], i
+
+    def _new_memory(self, size: int, pool: str):
+        if not self.expandable_segments:
+            self.cuda_malloc_calls += 1
+            self.segments.append(_Segment(pool, [_Block(self.segment_size(size))]))
+            return self.segments[-1], 0
+        segment = next((seg for seg in self.segments if seg.pool == pool), None)
+        if segment is None:
+            segment = _Segment(pool, [], expandable=True)
+            self.segments.append(segment)
+        if not segment.blocks or segment.blocks[-1].allocated:
+            segment.blocks.append(_Block(0))
+        tail = segment.blocks[-1]  # the free end of the segment grows by whole pages
+        page = self.SMALL_BUFFER if pool == "small" else self.LARGE_BUFFER
+        tail.size += -(-(size - tail.size) // page) * page
+        return segment, len(segment.blocks) - 1
+
+    def free(self, handle: int) -> None:
+        """Free an allocation: its block merges with free neighbours and stays cached."""
+        if handle not in self._live:
+            raise ValueError(f"handle={handle!r}: not a live allocation of this allocator")
+        block = self._live.pop(handle)
+        block.allocated = False
+        for segment in self.segments:
+            if any(b is block for b in segment.blocks):
+                merged: list[_Block] = []
+                for b in segment.blocks:
+                    if merged and not b.allocated and not merged[-1].allocated:
+                        merged[-1].size += b.size
+                    else:
+                        merged.append(b)
+                segment.blocks = merged
+                return
+
+    def empty_cache(self) -> None:
+        """Return cached memory to the driver: every segment that is entirely free (expandable
+        segments: the whole pages of the free block at their end)."""
+        kept = []
+        for segment in self.segments:
+            if segment.expandable:
+                tail = segment.blocks[-1] if segment.blocks and not segment.blocks[-1].allocated else None
+                if tail is not None:
+                    page = self.SMALL_BUFFER if segment.pool == "small" else self.LARGE_BUFFER
+                    tail.size %= page
+                    if tail.size == 0:
+                        segment.blocks.pop()
+                if segment.blocks:
+                    kept.append(segment)
+            elif any(b.allocated for b in segment.blocks):
+                kept.append(segment)
+        self.segments = kept
+
+    # --- what it holds
+    @property
+    def allocated(self) -> int:
+        """Bytes in allocated blocks (``torch.cuda.memory_allocated``: rounded, unsplit remainders included)."""
+        return sum(b.size for seg in self.segments for b in seg.blocks if b.allocated)
+
+    @property
+    def reserved(self) -> int:
+        """Bytes of all segments (``torch.cuda.memory_reserved``)."""
+        return sum(seg.size for seg in self.segments)
+
+    def snapshot(self) -> list[dict]:
+        """The segments in ``torch.cuda.memory_snapshot()``'s format (the keys this simulation knows):
+        ``segment_type``, ``total_size``, ``allocated_size``, ``blocks`` of ``size`` and ``state``."""
+        return [{"segment_type": seg.pool, "total_size": seg.size,
+                 "allocated_size": sum(b.size for b in seg.blocks if b.allocated),
+                 "blocks": [{"size": b.size, "state": "active_allocated" if b.allocated else "inactive"} for b in seg.blocks]}
+                for seg in self.segments]
+
+
+def segment_layout(snapshot: list[dict]) -> list[str]:
+    """One line per segment of a (real or simulated) ``memory_snapshot``: its pool, size and blocks
+    (``#`` allocated, ``.`` cached free), in MiB (KiB where not a whole MiB)."""
+    def size(b: int) -> str:
+        return f"{b // MiB} MiB" if b % MiB == 0 else f"{b / 1024:g} KiB"
+
+    lines = []
+    for seg in snapshot:
+        blocks = " | ".join(("#" if blk["state"] == "active_allocated" else ".") + " " + size(blk["size"]) for blk in seg["blocks"])
+        lines.append(f"{seg['segment_type']:<5} segment {size(seg['total_size']):>8}: [{blocks}]")
+    return lines
+
+
+def replay_allocations(allocator, ops) -> list[tuple[str, int, int, list[str]]]:
+    """Run ``ops`` on ``allocator`` (a :class:`CachingAllocatorSimulator`, or ``"cuda"`` for the
+    real caching allocator on the current GPU) and return, after each op, ``(op, allocated,
+    reserved, segment lines)``. An op is ``("malloc", name, nbytes)``, ``("free", name)`` or
+    ``("empty_cache",)``. On CUDA the numbers are those of the segments the ops created (the
+    caching allocator is emptied first; memory other tensors hold is left out)."""
+    real = allocator == "cuda"
+    if real:
+        if not torch.cuda.is_available():
+            raise RuntimeError("replay_allocations('cuda', ...) needs a CUDA device; use a CachingAllocatorSimulator on CPU")
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        before = {seg["address"] for seg in torch.cuda.memory_snapshot()}
+    elif not isinstance(allocator, CachingAllocatorSimulator):
+        raise TypeError(f"allocator: expected a CachingAllocatorSimulator or 'cuda', got {type(allocator).__name__}")
+    live, rows = {}, []
+    for op in ops:
+        kind = op[0] if isinstance(op, tuple) and op else None
+        if kind == "malloc" and len(op) == 3:
+            live[op[1]] = torch.empty(op[2], dtype=torch.uint8, device="cuda") if real else allocator.malloc(op[2])
+            label = f"malloc {op[1]} ({op[2]:,} B)"
+        elif kind == "free" and len(op) == 2 and op[1] in live:
+            handle = live.pop(op[1])
+            if not real:
+                allocator.free(handle)
+            del handle
+            label = f"free {op[1]}"
+        elif op == ("empty_cache",):
+            torch.cuda.empty_cache() if real else allocator.empty_cache()
+            label = "empty_cache()"
+        else:
+            raise ValueError(f"ops: {op!r} is not ('malloc', name, nbytes), ('free', live name) or ('empty_cache',)")
+        if real:
+            torch.cuda.synchronize()
+            snap = sorted((s for s in torch.cuda.memory_snapshot() if s["address"] not in before), key=lambda s: s["address"])
+        else:
+            snap = allocator.snapshot()
+        allocated = sum(b["size"] for s in snap for b in s["blocks"] if b["state"] == "active_allocated")
+        rows.append((label, allocated, sum(s["total_size"] for s in snap), segment_layout(snap)))
     return rows
 
 

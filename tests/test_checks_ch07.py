@@ -15,7 +15,7 @@ def test_adamw_bytes_accepts_reference(capsys):
 
 @pytest.mark.parametrize("wrong,hint", [
     (lambda n: 12 * n, "master"),  # forgot the fp32 master weights
-    (lambda n: 18 * n, "bf16 backward"),  # fp32 gradients
+    (lambda n: 18 * n, "main_grad"),  # fp32 gradients: a real recipe, but not this exercise's
     (lambda n: 8 * n, "two fp32 moments"),
     (lambda n: 16 * n + 1, "add bytes"),
     (lambda n: "16N", "return an int"),

@@ -3,12 +3,18 @@ import torch
 
 import labkit  # noqa: F401
 from labkit.memory import (
+    ATTENTION,
+    CachingAllocatorSimulator,
+    MiB,
     SavedTensorMeter,
     accumulated_gradients,
     activation_checkpointing,
     activation_terms,
     adamw_mixed_precision_bytes,
+    attention_implementation,
     estimate_training_memory,
+    korthikanti_activation_bytes,
+    replay_allocations,
     measure_peak,
     model_state_bytes,
     optimizer_state_bytes,
@@ -84,10 +90,10 @@ def _config(**overrides) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def _metered(model, x, y, checkpointing=False):
+def _metered(model, x, y, checkpointing=False, attention="materialized"):
     from contextlib import nullcontext
 
-    with activation_checkpointing(model) if checkpointing else nullcontext():
+    with activation_checkpointing(model) if checkpointing else nullcontext(), attention_implementation(model, attention):
         with SavedTensorMeter(model) as meter:
             loss = cross_entropy(model(x), y)
         measured = meter.activation_bytes
@@ -95,18 +101,120 @@ def _metered(model, x, y, checkpointing=False):
     return measured
 
 
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("overrides", CONFIGS)
-def test_estimated_activations_match_the_meter(overrides, dtype):
+def test_estimated_activations_match_the_meter(overrides, dtype, attention):
     torch.manual_seed(0)
     config = _config(**overrides)
     model = TransformerLM(config, dtype=dtype)
     batch, seq = 3, 11
-    x, y = torch.randint(0, config.vocab_size, (2, batch, seq))
-    est = estimate_training_memory(config, batch, seq, param_dtype=DTYPE_NAMES[dtype])
-    measured = _metered(model, x, y)
-    assert est.activations == pytest.approx(measured, rel=0.01)
-    assert est.recompute == 0
+    x, y = torch.randint(0, config.vocab_size, (2, batch, seq))  # two storages, as the estimate counts them
+    est = estimate_training_memory(config, batch, seq, param_dtype=DTYPE_NAMES[dtype], attention=attention)
+    assert est.activations == _metered(model, x, y, attention=attention)
+    assert (est.recompute > 0) == (attention == "selective")
+
+
+@pytest.mark.parametrize("attention", ["selective", "sdpa"])
+def test_attention_implementations_give_the_same_loss_and_gradients(attention):
+    torch.manual_seed(0)
+    config = _config(num_kv_heads=2)
+    model = TransformerLM(config)
+    x, y = torch.randint(0, config.vocab_size, (2, 2, 9))
+    cross_entropy(model(x), y).backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with attention_implementation(model, attention):
+        cross_entropy(model(x), y).backward()
+    for g, p in zip(reference, model.parameters()):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
+    assert "_attend" not in model.layers[0].attn.__dict__  # the block restored the model
+    with pytest.raises(ValueError, match="attention"):
+        with attention_implementation(model, "flash2"):
+            pass
+    with pytest.raises(ValueError, match="attention"):
+        activation_terms(config, 2, 9, attention="flash2")
+
+
+def test_selective_recompute_rebuilds_one_layers_attention_core():
+    config = _config(num_kv_heads=2)
+    b, s, p = 2, 9, 4
+    full = activation_terms(config, b, s)
+    selective = activation_terms(config, b, s, attention="selective")
+    rebuilt = selective.pop("recompute_block")
+    heads, group = config.num_heads, config.num_heads // config.kv_heads
+    core = b * heads * s * s * 3 * p + b * heads * s * 2 * p + group * s * s  # scores, exp, probs; row max, sum; mask
+    assert sum(full.values()) - sum(selective.values()) == config.num_layers * core
+    assert rebuilt == core and full["recompute_block"] == 0  # one layer's core exists again during backward
+
+
+class PaperGPTLayer(torch.nn.Module):
+    """The GPT layer Korthikanti et al. count: LayerNorm, fused QKV, softmax attention with
+    dropout, a 4h GeLU MLP, dropout after both projections (bool masks, as on GPUs)."""
+
+    def __init__(self, hidden, heads, dtype, selective=False):
+        super().__init__()
+        nn = torch.nn
+        self.h, self.a, self.selective = hidden, heads, selective
+        self.ln1, self.ln2 = nn.LayerNorm(hidden, dtype=dtype), nn.LayerNorm(hidden, dtype=dtype)
+        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden, dtype=dtype), nn.Linear(hidden, hidden, dtype=dtype)
+        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden, dtype=dtype), nn.Linear(4 * hidden, hidden, dtype=dtype)
+
+    @staticmethod
+    def dropout(t):
+        return torch.native_dropout(t, 0.1, True)[0]  # keeps a 1-byte mask
+
+    def core(self, q, k, v):
+        s, b, _ = q.shape
+        heads = lambda t: t.reshape(s, b, self.a, -1).permute(1, 2, 0, 3)  # noqa: E731
+        scores = (heads(q) @ heads(k).transpose(-2, -1)) * (self.h // self.a) ** -0.5
+        probs = self.dropout(torch.softmax(scores, -1))
+        return (probs @ heads(v)).permute(2, 0, 1, 3).reshape(s, b, self.h)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, -1)
+        ctx = checkpoint(self.core, q, k, v, use_reentrant=True) if self.selective else self.core(q, k, v)
+        x = x + self.dropout(self.proj(ctx))
+        return x + self.dropout(self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x)))))
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("s,b,h,a", [(16, 2, 32, 4), (12, 3, 48, 6)])
+def test_korthikanti_formula_is_what_their_layer_saves(s, b, h, a, dtype, recompute):
+    torch.manual_seed(0)
+    layer = PaperGPTLayer(h, a, dtype, selective=recompute == "selective")
+    x = torch.randn(s, b, h, dtype=dtype, requires_grad=True)
+    with SavedTensorMeter(layer) as meter:
+        out = layer(x)
+    measured = meter.activation_bytes
+    out.float().sum().backward()
+    # the paper leaves out LayerNorm's per-row mean and 1/std (two norms x two values per row)
+    stat_bytes = torch.native_layer_norm(x[:1].detach(), (h,), None, None, 1e-5)[1].element_size()
+    assert measured == korthikanti_activation_bytes(s, b, h, a, recompute=recompute) + 2 * 2 * s * b * stat_bytes
+
+
+def test_korthikanti_formula_values():
+    # GPT-3 175B (s=2048, h=12288, a=96): 5as/h = 80, so the attention core is 80/114 of a layer's activations
+    s, h, a = 2048, 12288, 96
+    assert korthikanti_activation_bytes(s, 1, h, a) == s * h * (34 + 80)
+    assert korthikanti_activation_bytes(s, 2, h, a, num_layers=3, recompute="selective") == 3 * 34 * s * 2 * h
+    with pytest.raises(ValueError, match="recompute"):
+        korthikanti_activation_bytes(s, 1, h, a, recompute="full")
+    with pytest.raises(ValueError, match="heads"):
+        korthikanti_activation_bytes(s, 1, h, 0)
+
+
+def test_qwen3_at_4k_tokens_activations_dominate_only_with_materialised_scores():
+    from labkit.model import PRESETS
+
+    est = {att: estimate_training_memory(PRESETS["qwen3-8b"], 1, 4096, param_dtype="bf16", mixed_precision=True, attention=att)
+           for att in ATTENTION}
+    assert est["materialized"].activations > est["materialized"].model_state
+    assert est["sdpa"].activations < est["sdpa"].model_state / 2
+    assert est["selective"].activations < est["sdpa"].activations
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -120,7 +228,7 @@ def test_checkpointed_activations_match_the_meter_and_keep_gradients(dtype):
     grads_ckpt = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     full = _metered(model, x, y)
-    assert est.activations == pytest.approx(measured, rel=0.01)
+    assert est.activations == measured
     assert measured < full
     block = activation_terms(config, 2, 9, DTYPE_NAMES[dtype])
     per_block = sum(v for k, v in block.items() if k.startswith(("attn", "ffn"))) // config.num_layers
@@ -200,7 +308,7 @@ def test_presets_estimate():
 
     est = estimate_training_memory(PRESETS["llama2-70b"], 1, 4096, param_dtype="bf16", mixed_precision=True, zero_stage=3, world_size=64)
     assert est.model_state == pytest.approx(16 * 68.98e9 / 64, rel=1e-3)
-    assert est.activations > est.model_state  # at 4k tokens activations dominate
+    assert est.activations > est.model_state  # with ZeRO-3 over 64 GPUs, the activations of 4k tokens dominate
 
 
 def test_gradient_accumulation_gives_the_full_batch_gradient():
@@ -268,3 +376,109 @@ def test_memory_calculator_callback():
         memory_figure("gpt-5")
     with pytest.raises(ValueError, match="precision"):
         memory_figure(precision="int4")
+    _, flash, _ = memory_figure("qwen3-8b", attention="sdpa")
+    assert flash == estimate_training_memory(PRESETS["qwen3-8b"], 1, 4096, param_dtype="bf16", mixed_precision=True, attention="sdpa")
+    with pytest.raises(ValueError, match="attention"):
+        memory_figure(attention="flash")
+
+
+# ----------------------------------------------------------------------------- the caching allocator, simulated
+def _run(ops, **options):
+    return replay_allocations(CachingAllocatorSimulator(**options), ops)
+
+
+def test_allocator_rounds_requests_and_picks_pools_and_segment_sizes():
+    sim = CachingAllocatorSimulator
+    assert [sim.round_size(n) for n in (1, 512, 513, 1000)] == [512, 512, 1024, 1024]
+    assert sim.segment_size(MiB) == 2 * MiB  # small pool: 2 MiB segments
+    assert sim.segment_size(MiB + 512) == 20 * MiB  # 1-10 MiB: a 20 MiB segment
+    assert sim.segment_size(10 * MiB) == 10 * MiB and sim.segment_size(11 * MiB) == 12 * MiB  # own segment, 2 MiB steps
+    rows = _run([("malloc", "a", 1000), ("malloc", "b", 3 * MiB), ("malloc", "c", 5 * MiB), ("malloc", "d", 50 * MiB)])
+    assert rows[0][1:3] == (1024, 2 * MiB)
+    assert rows[-1][3] == ["small segment    2 MiB: [# 1 KiB | . 2047 KiB]",
+                           "large segment   20 MiB: [# 3 MiB | # 5 MiB | . 12 MiB]",  # split: the rest stays cached
+                           "large segment   50 MiB: [# 50 MiB]"]
+
+
+def test_freeing_caches_and_empty_cache_returns_only_free_segments():
+    rows = _run([("malloc", "a", 3 * MiB), ("malloc", "d", 50 * MiB), ("free", "d"), ("malloc", "e", 40 * MiB),
+                 ("free", "a"), ("empty_cache",), ("free", "e"), ("empty_cache",)])
+    assert rows[2][1:3] == (3 * MiB, 70 * MiB)  # freed: still reserved (cached), not allocated
+    assert rows[3][3][1] == "large segment   50 MiB: [# 40 MiB | . 10 MiB]"  # the cached block served it, split
+    assert rows[5][1:3] == (40 * MiB, 50 * MiB)  # the free 20 MiB segment went back to the driver
+    assert rows[7][1:3] == (0, 0)
+
+
+def test_large_pool_does_not_split_off_a_remainder_of_1_mib_or_less():
+    rows = _run([("malloc", "a", 12 * MiB), ("free", "a"), ("malloc", "b", 11 * MiB)])
+    assert rows[-1][1:3] == (12 * MiB, 12 * MiB)  # 1 MiB left over: not split, counted as allocated
+
+
+def test_fragmentation_and_expandable_segments_match_the_pytorch_devlog():
+    # PyTorch devlog "When does fragmentation occur in the CUDA caching allocator?" (2026): 8x16 MiB, free, 4x32 MiB
+    small_first = [("malloc", f"s{i}", 16 * MiB) for i in range(8)] + [("free", f"s{i}") for i in range(8)] + \
+                  [("malloc", f"l{i}", 32 * MiB) for i in range(4)]
+    large_first = [("malloc", f"l{i}", 32 * MiB) for i in range(4)] + [("free", f"l{i}") for i in range(4)] + \
+                  [("malloc", f"s{i}", 16 * MiB) for i in range(8)]
+    assert _run(small_first)[-1][2] == 256 * MiB  # blocks of different segments never merge
+    assert _run(large_first)[-1][2] == 128 * MiB
+    rows = _run(small_first, expandable_segments=True)
+    assert [r[2] // MiB for r in rows[:8]] == [20, 40, 60, 80, 80, 100, 120, 140]  # 20 MiB pages mapped as needed
+    assert rows[-1][2] == 140 * MiB and len(rows[-1][3]) == 1  # one segment: the 32 MiB requests fit in it
+
+
+def test_max_split_size_keeps_big_blocks_whole():
+    ops = [("malloc", "big", 100 * MiB), ("free", "big"), ("malloc", "small", 5 * MiB)]
+    assert _run(ops)[-1][2] == 100 * MiB  # default: the 100 MiB block is split for the 5 MiB request
+    assert _run(ops, max_split_size_mb=64)[-1][2] == 120 * MiB  # a block >= 64 MiB never serves a smaller request
+    ops = [("malloc", "big", 100 * MiB), ("free", "big"), ("malloc", "b", 90 * MiB), ("free", "b"), ("malloc", "c", 70 * MiB)]
+    rows = _run(ops, max_split_size_mb=64)
+    assert rows[2][3] == ["large segment  100 MiB: [# 100 MiB]"]  # within 20 MiB: taken whole, not split
+    assert rows[-1][2] == 170 * MiB  # 100 >= 70 + 20: too wasteful, a new segment
+
+
+def test_allocator_rejects_bad_input():
+    with pytest.raises(ValueError, match="max_split_size_mb"):
+        CachingAllocatorSimulator(max_split_size_mb=20)
+    with pytest.raises(ValueError, match="nbytes"):
+        CachingAllocatorSimulator().malloc(0)
+    with pytest.raises(ValueError, match="handle"):
+        CachingAllocatorSimulator().free(3)
+    with pytest.raises(ValueError, match="ops"):
+        _run([("free", "never allocated")])
+    with pytest.raises(TypeError, match="allocator"):
+        replay_allocations("cpu", [])
+
+
+ALLOCATOR_SCENARIOS = [
+    [("malloc", "a", 1000), ("malloc", "b", 3 * MiB), ("malloc", "c", 5 * MiB), ("malloc", "d", 50 * MiB), ("free", "d"),
+     ("malloc", "e", 40 * MiB), ("free", "b"), ("empty_cache",)],
+    [("malloc", f"s{i}", 16 * MiB) for i in range(8)] + [("free", f"s{i}") for i in range(8)] +
+    [("malloc", f"l{i}", 32 * MiB) for i in range(4)],
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("ops", ALLOCATOR_SCENARIOS)
+def test_simulation_matches_the_cuda_caching_allocator(ops):
+    real = replay_allocations("cuda", ops)
+    simulated = _run(ops)
+    for r, s in zip(real, simulated):
+        assert r[1:3] == s[1:3] and sorted(r[3]) == sorted(s[3]), (r, s)
+
+
+def test_allocator_diagram_draws_each_segment():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from labkit.widgets.memory import allocator_diagram
+
+    sim = CachingAllocatorSimulator()
+    sim.malloc(3 * MiB)
+    fig = allocator_diagram({"one": sim.snapshot(), "empty": []})
+    assert len(fig.axes[0].patches) == 3  # two blocks and the segment's frame
+    plt.close(fig)
+    with pytest.raises(ValueError, match="snapshots"):
+        allocator_diagram({})

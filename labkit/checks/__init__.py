@@ -14,4 +14,5 @@ from labkit.checks.ch02_norms import *  # noqa: F401,F403
 from labkit.checks.ch04_moe import *  # noqa: F401,F403
 from labkit.checks.ch06_quant import *  # noqa: F401,F403
 from labkit.checks.ch05_lora import *  # noqa: F401,F403
+from labkit.checks.ch08_parallel import *  # noqa: F401,F403
 from labkit.checks.ch10_preference import *  # noqa: F401,F403

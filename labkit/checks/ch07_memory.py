@@ -18,7 +18,9 @@ _BYTES_HINTS = {
         "weights: count bf16 weights (2) + bf16 gradients (2) + fp32 master weights (4) + fp32 m (4) + fp32 v (4)",
     8: "AdamW keeps two fp32 moments (m and v) and mixed precision keeps an fp32 master copy of the weights too",
     14: "the fp32 master weights are 4 bytes per parameter, and m and v are 4 bytes each as well",
-    18: "in mixed precision the gradients come out of the bf16 backward pass: 2 bytes each, not 4",
+    18: "18 bytes/parameter is a real recipe, fp32 gradient accumulation (Megatron-LM's main_grad: 2 + 4 + 4 + 4 + 4); "
+        "this exercise keeps the gradients in bf16 as the backward pass produces them (2 bytes), beside the fp32 "
+        "master weights: 2 + 2 + 4 + 4 + 4",
     20: "the working weights and gradients are bf16 (2 bytes each); only the master copy and m, v are fp32",
     4: "that is one fp32 copy; count weights, gradients, master weights and both Adam moments",
 }

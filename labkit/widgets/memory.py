@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from labkit.memory import MemoryBreakdown, estimate_training_memory
+from labkit.memory import ATTENTION, MiB, MemoryBreakdown, estimate_training_memory
 
 PRECISIONS = {
     "fp32": ("fp32", False),
@@ -17,6 +17,9 @@ PARTS = [("params", "parameters"), ("grads", "gradients"), ("master_weights", "f
          ("optimizer_states", "optimizer states"), ("activations", "activations"), ("recompute", "recomputed block")]
 COLORS = ["#4c72b0", "#dd8452", "#8172b3", "#c44e52", "#55a868", "#a6d8a8"]
 GB = 1e9
+ATTENTION_LABELS = {"materialized": "scores materialised (labkit)", "selective": "selective recompute",
+                    "sdpa": "fused SDPA / FlashAttention"}
+assert set(ATTENTION_LABELS) == set(ATTENTION)
 
 
 def plot_breakdowns(breakdowns: dict[str, MemoryBreakdown], limit_gb: float | None = None, title: str = "", ax=None):
@@ -45,9 +48,10 @@ def plot_breakdowns(breakdowns: dict[str, MemoryBreakdown], limit_gb: float | No
 
 def memory_figure(model: str = "qwen3-8b", batch_size: int = 1, seq_len: int = 4096, precision: str = "bf16 mixed (fp32 master)",
                   optimizer: str = "adamw", checkpointing: bool = False, zero_stage: int = 0, num_gpus: int = 8,
-                  gpu_memory_gb: float = 80.0):
+                  gpu_memory_gb: float = 80.0, attention: str = "materialized"):
     """Estimate per-GPU training memory for ``PRESETS[model]`` and draw it; returns
-    ``(figure, breakdown, fits)``. ``batch_size`` is the micro-batch per GPU."""
+    ``(figure, breakdown, fits)``. ``batch_size`` is the micro-batch per GPU; ``attention`` is
+    how the attention core keeps its activations (:data:`labkit.memory.ATTENTION`)."""
     from labkit.model import PRESETS
 
     if model not in PRESETS:
@@ -56,15 +60,18 @@ def memory_figure(model: str = "qwen3-8b", batch_size: int = 1, seq_len: int = 4
         raise ValueError(f"precision={precision!r}: expected one of {list(PRECISIONS)}")
     if not gpu_memory_gb > 0:
         raise ValueError(f"gpu_memory_gb={gpu_memory_gb!r}: expected a positive number")
+    if attention not in ATTENTION:
+        raise ValueError(f"attention={attention!r}: expected one of {ATTENTION}")
     dtype, mixed = PRECISIONS[precision]
     breakdown = estimate_training_memory(PRESETS[model], batch_size, seq_len, param_dtype=dtype, mixed_precision=mixed,
                                          optimizer=optimizer, activation_checkpointing=checkpointing,
-                                         zero_stage=zero_stage, world_size=num_gpus)
+                                         attention=attention, zero_stage=zero_stage, world_size=num_gpus)
     fits = breakdown.total <= gpu_memory_gb * GB
     verdict = "fits" if fits else "does NOT fit"
     ax = plot_breakdowns({model: breakdown}, gpu_memory_gb,
                          f"{breakdown.total / GB:.1f} GB per GPU: {verdict} in {gpu_memory_gb:g} GB\n"
-                         f"(ZeRO-{zero_stage} on {num_gpus} GPUs, batch {batch_size} x {seq_len} tokens)")
+                         f"(ZeRO-{zero_stage} on {num_gpus} GPUs, batch {batch_size} x {seq_len} tokens,\n"
+                         f"attention: {ATTENTION_LABELS[attention]})")
     return ax.figure, breakdown, fits
 
 
@@ -89,30 +96,45 @@ def memory_calculator():
         precision=w.Dropdown(options=list(PRECISIONS), value="bf16 mixed (fp32 master)"),
         optimizer=w.Dropdown(options=["adamw", "sgd_momentum", "sgd"], value="adamw"),
         checkpointing=w.Checkbox(value=False, description="activation checkpointing"),
+        attention=w.Dropdown(options=[(label, key) for key, label in ATTENTION_LABELS.items()], value="materialized"),
         zero_stage=w.IntSlider(value=0, min=0, max=3),
         num_gpus=w.IntSlider(value=8, min=1, max=512),
         gpu_memory_gb=w.Dropdown(options=[24, 40, 48, 80, 141, 192], value=80),
     )
 
 
-def allocator_diagram(block_mb: int = 64, count: int = 8):
-    """The caching allocator's state in :func:`labkit.memory.fragmentation_demo`, drawn:
-    after every other block is freed, the allocator still *reserves* the whole segment
-    (``nvidia-smi`` shows it) but only half is *allocated*; a request twice the block size
-    fits in none of the holes, so a new segment is reserved."""
-    fig, ax = plt.subplots(figsize=(8, 1.9))
-    for i in range(count):
-        freed = i % 2 == 0
-        ax.add_patch(plt.Rectangle((i * block_mb, 1), block_mb, 0.8, color="#dddddd" if freed else "#4c72b0", ec="white"))
-        ax.text((i + 0.5) * block_mb, 1.4, "free" if freed else f"{block_mb} MB", ha="center", va="center", fontsize=7,
-                color="black" if freed else "white")
-    ax.add_patch(plt.Rectangle((0, 0), 2 * block_mb, 0.8, color="#c44e52", ec="white"))
-    ax.text(block_mb, 0.4, f"{2 * block_mb} MB", ha="center", va="center", fontsize=7, color="white")
-    ax.text(count * block_mb + 8, 1.4, f"segment 1: reserved {count * block_mb} MB,\nallocated {count // 2 * block_mb} MB", va="center", fontsize=8)
-    ax.text(count * block_mb + 8, 0.4, f"segment 2: a {2 * block_mb} MB request fits\nin no {block_mb} MB hole", va="center", fontsize=8)
-    ax.set_xlim(0, count * block_mb + 190)
-    ax.set_ylim(-0.1, 1.9)
+def allocator_diagram(snapshots: dict[str, list[dict]]):
+    """Segments and blocks of one or more (real or simulated) ``memory_snapshot`` lists, drawn to
+    scale: one row per snapshot (``label -> snapshot``), one bar per segment, allocated blocks
+    dark, cached free blocks light, so reserved (the bars) vs allocated (the dark parts) shows."""
+    if not snapshots:
+        raise ValueError("snapshots: expected at least one label -> memory_snapshot list")
+    widest = max(sum(seg["total_size"] for seg in snap) for snap in snapshots.values()) / MiB
+    gap = widest / 60
+    fig, ax = plt.subplots(figsize=(10, 0.9 + 0.75 * len(snapshots)))
+    for row, (label, snap) in enumerate(snapshots.items()):
+        y, x = -row, 0.0
+        for seg in snap:
+            start = x
+            for block in seg["blocks"]:
+                width = block["size"] / MiB
+                allocated = block["state"] == "active_allocated"
+                ax.add_patch(plt.Rectangle((x, y), width, 0.6, facecolor="#4c72b0" if allocated else "#d9d9d9", edgecolor="white", lw=0.8))
+                if width >= widest / 25:
+                    ax.text(x + width / 2, y + 0.3, f"{width:g}", ha="center", va="center", fontsize=9,
+                            color="white" if allocated else "black")
+                x += width
+            ax.add_patch(plt.Rectangle((start, y), x - start, 0.6, fill=False, edgecolor="black", lw=1.2))
+            x += gap
+        reserved = sum(seg["total_size"] for seg in snap) / MiB
+        allocated = sum(b["size"] for seg in snap for b in seg["blocks"] if b["state"] == "active_allocated") / MiB
+        ax.text(-gap, y + 0.3, label, ha="right", va="center", fontsize=10)
+        ax.text(x, y + 0.3, f" reserved {reserved:g} MiB,\n allocated {allocated:g} MiB", ha="left", va="center", fontsize=9)
+    ax.set_xlim(-0.45 * widest, 1.3 * widest)
+    ax.set_ylim(-len(snapshots) + 0.2, 1.0)
     ax.axis("off")
-    ax.set_title("memory_reserved (what nvidia-smi sees) > memory_allocated (live tensors)", fontsize=10)
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color="#4c72b0"), plt.Rectangle((0, 0), 1, 1, color="#d9d9d9")],
+              labels=["allocated block (MiB)", "cached free block"], loc="upper left", fontsize=9, ncol=2, frameon=False)
+    ax.set_title("caching allocator: each framed bar is one segment (one cudaMalloc), drawn to scale", fontsize=11)
     fig.tight_layout()
     return fig

@@ -1,0 +1,306 @@
+"""Choosing a 3-D layout (chapter 08): for a model and a cluster, the memory per GPU and the
+communication per step of every split into tensor (TP) × pipeline (PP) × context (CP) × data (DP)
+parallelism, flagging what does not fit, next to published layouts.
+
+Memory is chapter 07's estimator applied to what one GPU holds: model state by
+:func:`labkit.memory.model_state_bytes` (ZeRO over the DP ranks) for this GPU's share of the
+parameters, activations by :func:`labkit.memory.activation_terms` for this GPU's slice of the
+model (its stage's layers, ``1/TP`` of the heads and of ``d_ff``, ``1/CP`` of the sequence), times
+the micro-batches its stage holds at once (1F1B: ``PP - stage``). With TP = PP = CP = 1 it is
+exactly :func:`labkit.memory.estimate_training_memory`. Communication counts the bytes each GPU
+sends per step with ring collectives (:func:`labkit.parallel.collective_bytes_sent`), and the time
+assumes no overlap with compute (an upper bound).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from labkit.memory import MemoryBreakdown, _dtype, activation_terms, model_state_bytes
+from labkit.model import PRESETS, ModelConfig
+from labkit.parallel import bubble_fraction, collective_bytes_sent, split_layers
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """How the GPUs talk: ``gpus_per_node`` share a fast intra-node fabric (NVLink) of
+    ``intra_node`` bytes/s per GPU and direction; across nodes each GPU has ``inter_node`` bytes/s
+    (its InfiniBand NIC)."""
+
+    name: str
+    gpus_per_node: int
+    intra_node: float
+    inter_node: float
+
+
+# NVIDIA's published figures: NVLink 4 gives an H100/H200 SXM 900 GB/s in total (450 GB/s each way);
+# a DGX H100/H200 node has one 400 Gb/s (50 GB/s) ConnectX-7 InfiniBand port per GPU.
+INTERCONNECTS = {
+    "nvlink+ib": Interconnect("8 GPUs per node, NVLink 4 (450 GB/s per GPU each way), 400 Gb/s InfiniBand per GPU", 8, 450e9, 50e9),
+    "pcie+ethernet": Interconnect("8 GPUs per node, PCIe 5 (64 GB/s), 100 Gb/s Ethernet per node (1.6 GB/s per GPU)", 8, 64e9, 12.5e9 / 8),
+}
+GPU_MEMORY_GB = {"H100 SXM (80 GB)": 80, "H200 SXM (141 GB)": 141, "A100 (40 GB)": 40, "A100 (80 GB)": 80}
+H100_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak of an H100/H200 SXM
+
+# Llama 3 models (Hugging Face config.json): added here for the calculator, beside labkit.model.PRESETS.
+PLAN_PRESETS: dict[str, ModelConfig] = {
+    **PRESETS,
+    "llama3-70b": ModelConfig(vocab_size=128256, context_length=8192, d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                              d_ff=28672, rope_theta=500_000.0),
+    "llama3-405b": ModelConfig(vocab_size=128256, context_length=131072, d_model=16384, num_layers=126, num_heads=128,
+                               num_kv_heads=8, d_ff=53248, rope_theta=500_000.0),
+}
+
+# Layouts the Llama 3 team reported for training Llama 3 405B on H100 80 GB GPUs ("The Llama 3 Herd
+# of Models", Dubey et al. 2024, Table 4): 16M tokens per step in every row.
+PUBLISHED_LAYOUTS = [
+    {"model": "llama3-405b", "gpus": 8192, "tp": 8, "cp": 1, "pp": 16, "dp": 64, "seq_len": 8192, "tokens_per_step": 16 * 2**20,
+     "source": "Llama 3 (Dubey et al. 2024), Table 4"},
+    {"model": "llama3-405b", "gpus": 16384, "tp": 8, "cp": 1, "pp": 16, "dp": 128, "seq_len": 8192, "tokens_per_step": 16 * 2**20,
+     "source": "Llama 3 (Dubey et al. 2024), Table 4"},
+    {"model": "llama3-405b", "gpus": 16384, "tp": 8, "cp": 16, "pp": 16, "dp": 8, "seq_len": 131072, "tokens_per_step": 16 * 2**20,
+     "source": "Llama 3 (Dubey et al. 2024), Table 4 (long-context stage)"},
+]
+
+
+@dataclass
+class LayoutPlan:
+    """One TP × PP × CP × DP layout: the worst stage's memory per GPU, whether it fits, and the
+    bytes each GPU sends per step along each dimension (``comm_bytes``) with the time that takes
+    on its link (``comm_seconds``), the pipeline bubble, and a no-overlap step-time estimate."""
+
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    micro_batches: int
+    memory: MemoryBreakdown
+    worst_stage: int
+    fits: bool
+    comm_bytes: dict[str, float]
+    comm_seconds: dict[str, float]
+    links: dict[str, str]
+    bubble: float
+    compute_seconds: float
+    step_seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def layout(self) -> str:
+        return f"TP{self.tp} x PP{self.pp} x CP{self.cp} x DP{self.dp}"
+
+    def row(self) -> dict:
+        """A flat dict for :func:`labkit.show.print_table`."""
+        return {"layout": self.layout, "m": self.micro_batches, "GB/GPU": round(self.memory.total / GB, 1),
+                "fits": "yes" if self.fits else "NO", "bubble": f"{self.bubble:.0%}",
+                **{f"{k} GB": round(v / GB, 2) for k, v in self.comm_bytes.items()},
+                "TP link": self.links["tp"], "step s": round(self.step_seconds, 1)}
+
+
+def _norm_params(config: ModelConfig) -> int:
+    return {"rmsnorm": 1, "layernorm": 2, "none": 0}[config.norm] * config.d_model
+
+
+def _local_kv_heads(config: ModelConfig, tp: int) -> int:
+    """K/V heads per TP rank: split when there are enough, else replicated (one per rank)."""
+    return max(1, config.kv_heads // tp)
+
+
+def stage_parameters(config: ModelConfig, tp: int, num_layers: int, first: bool, last: bool) -> int:
+    """Parameters one GPU holds: ``num_layers`` blocks with ``1/tp`` of every weight matrix
+    (norms replicated), plus ``1/tp`` of the embedding on the first stage and of the LM head (and
+    the final norm) on the last (Megatron's vocabulary-parallel embedding and head)."""
+    d, hd, heads, ff = config.d_model, config.dim_per_head, config.num_heads // tp, config.d_ff // tp
+    kv = _local_kv_heads(config, tp)
+    attn = 2 * d * heads * hd + 2 * d * kv * hd + (2 * hd if config.qk_norm else 0)
+    block = 2 * _norm_params(config) + attn + 3 * d * ff
+    vocab = math.ceil(config.vocab_size / tp) * d
+    total = num_layers * block
+    if first:
+        total += vocab
+    if last:
+        total += _norm_params(config) + (0 if config.tie_embeddings and first else vocab)
+    return total
+
+
+def _check_layout(config: ModelConfig, tp: int, pp: int, cp: int, seq_len: int) -> None:
+    if config.moe is not None:
+        raise ValueError("config: mixture-of-experts models are not planned here (expert parallelism: chapter 04)")
+    if config.num_heads % tp or (config.kv_heads % tp and tp % config.kv_heads):
+        raise ValueError(f"tp={tp}: must divide num_heads={config.num_heads}, and divide or be a multiple of "
+                         f"num_kv_heads={config.kv_heads}")
+    if config.d_ff % tp:
+        raise ValueError(f"tp={tp}: must divide d_ff={config.d_ff}")
+    if pp > config.num_layers:
+        raise ValueError(f"pp={pp}: more stages than num_layers={config.num_layers}")
+    if seq_len % cp:
+        raise ValueError(f"cp={cp}: must divide seq_len={seq_len}")
+
+
+def stage_memory(config: ModelConfig, tp: int, pp: int, cp: int, dp: int, stage: int, micro_batches: int, micro_batch: int,
+                 seq_len: int, *, param_dtype="bf16", zero_stage: int = 1, activation_checkpointing: bool = False,
+                 sequence_parallel: bool = True, flash_attention: bool = True, schedule: str = "1f1b") -> MemoryBreakdown:
+    """Memory of one GPU of pipeline stage ``stage`` (see the module docstring).
+
+    Its slice of the model is a ``ModelConfig`` with this stage's layers, ``heads/tp`` heads,
+    ``d_ff/tp`` and ``vocab/tp``, whose activations for ``micro_batch`` sequences of
+    ``seq_len/cp`` tokens chapter 07's :func:`~labkit.memory.activation_terms` counts; then
+    ``sequence_parallel`` divides the norms' and matmul inputs' terms by ``tp`` (Megatron keeps
+    the sequence shard and all-gathers it again in backward), ``flash_attention`` counts a fused
+    attention (chapter 07's ``attention="sdpa"``: its output and a log-sum-exp per row instead of
+    the scores), and the stage holds ``min(pp - stage, m)``
+    micro-batches at once under 1F1B (``m`` under GPipe).
+    """
+    _check_layout(config, tp, pp, cp, seq_len)
+    if schedule not in ("1f1b", "gpipe"):
+        raise ValueError(f"schedule={schedule!r}: expected '1f1b' or 'gpipe'")
+    layers = split_layers(config.num_layers, pp)[stage]
+    first, last = stage == 0, stage == pp - 1
+    mixed = _dtype(param_dtype) != _dtype("fp32")
+    params = stage_parameters(config, tp, layers, first, last)
+    state = model_state_bytes(params, param_dtype, mixed_precision=mixed, zero_stage=zero_stage, world_size=dp)
+    local = replace(config, num_layers=layers, num_heads=config.num_heads // tp, num_kv_heads=_local_kv_heads(config, tp),
+                    head_dim=config.dim_per_head, d_ff=config.d_ff // tp, vocab_size=math.ceil(config.vocab_size / tp),
+                    context_length=max(config.context_length, seq_len))
+    tokens = seq_len // cp
+    terms = activation_terms(local, micro_batch, tokens, param_dtype, activation_checkpointing,
+                             attention="sdpa" if flash_attention else "materialized")
+    if sequence_parallel and tp > 1:
+        for name in ("attn: norm", "ffn: norm", "attn: q/k/v input", "ffn: w1/w3 input", "block inputs (checkpointed)", "final norm"):
+            if name in terms:
+                terms[name] //= tp
+    if not first:
+        terms.pop("token ids", None)
+    if not last:
+        for name in ("final norm", "lm_head input", "loss: logits, exp(logits), row sums, targets"):
+            terms.pop(name, None)
+    recompute = terms.pop("recompute_block")
+    in_flight = micro_batches if schedule == "gpipe" else min(pp - stage, micro_batches)
+    state.activations = in_flight * sum(terms.values())
+    state.recompute = recompute
+    return state
+
+
+def parallel_plan(config: ModelConfig | str, gpus: int, gpu_memory: float, interconnect: Interconnect | str = "nvlink+ib", *,
+                  seq_len: int = 4096, tokens_per_step: int = 4 * 2**20, micro_batch: int = 1, tp=None, pp=None, cp=(1,),
+                  param_dtype="bf16", zero_stage: int = 1, activation_checkpointing: bool = False, sequence_parallel: bool = True,
+                  flash_attention: bool = True, schedule: str = "1f1b", gpu_flops: float = H100_BF16_FLOPS,
+                  mfu: float = 0.4) -> list[LayoutPlan]:
+    """Every layout ``TP × PP × CP × DP = gpus`` of ``config`` (a ``ModelConfig`` or a name in
+    :data:`PLAN_PRESETS`) with ``tp`` in the powers of two that divide the heads (or the given
+    values), ``pp`` in the powers of two up to the layers, ``cp`` as given, and a whole number of
+    micro-batches per step (``tokens_per_step / (seq_len · micro_batch · dp)``).
+
+    Returns :class:`LayoutPlan`s, those that fit in ``gpu_memory`` GB first, each group by
+    estimated step time. Memory: :func:`stage_memory` of the worst stage. Communication per GPU
+    and step (bytes it sends): TP, 4 all-reduces per layer and micro-batch (6 with activation
+    checkpointing, whose recomputed forward repeats them); CP, the ring attention's K/V blocks
+    (``cp - 1`` forward, twice that backward); PP, one activation per micro-batch forward and one
+    gradient back; DP, the gradient all-reduce (ZeRO-3 adds the parameter all-gathers). Each
+    dimension's traffic runs on NVLink while its group fits in a node (TP innermost, then CP, PP,
+    DP), else on InfiniBand. Step time: compute at ``mfu`` of ``gpu_flops``, stretched by the
+    bubble, plus all communication (no overlap: an upper bound).
+    """
+    if isinstance(config, str):
+        if config not in PLAN_PRESETS:
+            raise ValueError(f"config={config!r}: expected a ModelConfig or one of {sorted(PLAN_PRESETS)}")
+        config = PLAN_PRESETS[config]
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config: expected a labkit.model.ModelConfig or a preset name, got {type(config).__name__}")
+    if isinstance(interconnect, str):
+        if interconnect not in INTERCONNECTS:
+            raise ValueError(f"interconnect={interconnect!r}: expected an Interconnect or one of {sorted(INTERCONNECTS)}")
+        interconnect = INTERCONNECTS[interconnect]
+    for name, value in (("gpus", gpus), ("seq_len", seq_len), ("tokens_per_step", tokens_per_step), ("micro_batch", micro_batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}={value!r}: expected a positive integer")
+    if not gpu_memory > 0:
+        raise ValueError(f"gpu_memory={gpu_memory!r}: expected GB per GPU, a positive number")
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu={mfu!r}: expected a fraction in (0, 1]")
+    powers = [2**i for i in range(int(math.log2(gpus)) + 1)]
+    tps = [t for t in (tp if tp is not None else powers) if _valid_tp(config, t)]
+    pps = [p for p in (pp if pp is not None else powers) if p <= config.num_layers]
+    plans = []
+    for t in tps:
+        for p in pps:
+            for c in cp:
+                if gpus % (t * p * c) or seq_len % c:
+                    continue
+                d = gpus // (t * p * c)
+                sequences = tokens_per_step // seq_len
+                if sequences % (d * micro_batch) or sequences == 0:
+                    continue
+                plans.append(_plan(config, t, p, c, d, sequences // (d * micro_batch), gpu_memory, interconnect, seq_len,
+                                   micro_batch, param_dtype, zero_stage, activation_checkpointing, sequence_parallel,
+                                   flash_attention, schedule, gpu_flops, mfu, tokens_per_step))
+    return sorted(plans, key=lambda plan: (not plan.fits, plan.step_seconds))
+
+
+def _valid_tp(config: ModelConfig, tp: int) -> bool:
+    return config.num_heads % tp == 0 and config.d_ff % tp == 0 and (config.kv_heads % tp == 0 or tp % config.kv_heads == 0)
+
+
+def _plan(config, tp, pp, cp, dp, m, gpu_memory, net: Interconnect, seq_len, micro_batch, param_dtype, zero_stage, checkpointing,
+          sequence_parallel, flash_attention, schedule, gpu_flops, mfu, tokens_per_step) -> LayoutPlan:
+    stages = [stage_memory(config, tp, pp, cp, dp, s, m, micro_batch, seq_len, param_dtype=param_dtype, zero_stage=zero_stage,
+                           activation_checkpointing=checkpointing, sequence_parallel=sequence_parallel,
+                           flash_attention=flash_attention, schedule=schedule) for s in range(pp)]
+    worst = max(range(pp), key=lambda s: stages[s].total)
+    p = _dtype(param_dtype).itemsize
+    layers = max(split_layers(config.num_layers, pp))
+    activation = micro_batch * (seq_len // cp) * config.d_model * p
+    passes = 6 if checkpointing else 4
+    kv_block = 2 * micro_batch * _local_kv_heads(config, tp) * (seq_len // cp) * config.dim_per_head * p
+    params_here = max(stage_parameters(config, tp, n, s == 0, s == pp - 1) for s, n in enumerate(split_layers(config.num_layers, pp)))
+    dp_factor = 3 if zero_stage == 3 else 2  # ZeRO-3 all-gathers the parameters in forward and again in backward
+    comm = {
+        "tp": passes * layers * m * collective_bytes_sent("all_reduce", activation, tp),
+        "cp": 3 * (cp - 1) * kv_block * layers * m,
+        "pp": (2 * m * activation if pp > 1 else 0),
+        "dp": dp_factor * (dp - 1) / dp * params_here * p,
+    }
+    nested = {"tp": tp, "cp": tp * cp, "pp": tp * cp * pp, "dp": tp * cp * pp * dp}
+    links = {k: "NVLink" if nested[k] <= net.gpus_per_node else "InfiniBand" for k in comm}
+    seconds = {k: comm[k] / (net.intra_node if links[k] == "NVLink" else net.inter_node) for k in comm}
+    total_params = stage_parameters(config, 1, config.num_layers, True, True)
+    flops = (8 if checkpointing else 6) * total_params * tokens_per_step / (tp * pp * cp * dp)
+    compute = flops / (gpu_flops * mfu)
+    bubble = bubble_fraction(pp, m)
+    notes = []
+    if tp > net.gpus_per_node:
+        notes.append(f"TP={tp} spans nodes: its all-reduces cross InfiniBand")
+    return LayoutPlan(tp, pp, cp, dp, m, stages[worst], worst, stages[worst].total <= gpu_memory * GB, comm, seconds, links, bubble,
+                      compute, compute / (1 - bubble) + sum(seconds.values()), notes)
+
+
+def published_layout_plan(layout: dict, gpu_memory: float = 80, **assumptions) -> LayoutPlan:
+    """The :class:`LayoutPlan` of one of :data:`PUBLISHED_LAYOUTS` (its model, GPU count,
+    TP/PP/CP, sequence length and tokens per step), under ``assumptions`` (keywords of
+    :func:`parallel_plan`)."""
+    plans = parallel_plan(layout["model"], layout["gpus"], gpu_memory, seq_len=layout["seq_len"],
+                          tokens_per_step=layout["tokens_per_step"], tp=[layout["tp"]], pp=[layout["pp"]], cp=(layout["cp"],),
+                          **assumptions)
+    if len(plans) != 1 or plans[0].dp != layout["dp"]:
+        raise ValueError(f"layout: {layout} is not a whole-numbered layout of its GPUs")
+    return plans[0]
+
+
+def strategy_memory(config: ModelConfig | str, gpus: int, seq_len: int = 4096, micro_batch: int = 1, **assumptions) -> dict[str, MemoryBreakdown]:
+    """Memory per GPU of one model on ``gpus`` GPUs split each way on its own: pure data
+    parallelism (DDP, ZeRO-1, ZeRO-3) and the largest TP, PP and TP × PP that the model allows.
+    ``{label: MemoryBreakdown}`` (worst stage)."""
+    config = PLAN_PRESETS[config] if isinstance(config, str) else config
+    tp = max(t for t in (1, 2, 4, 8) if _valid_tp(config, t) and gpus % t == 0)
+    pp = max(p for p in (1, 2, 4, 8, 16) if p <= config.num_layers and gpus % p == 0)
+    choices = {"DDP": (1, 1, 0), "ZeRO-1": (1, 1, 1), "ZeRO-3": (1, 1, 3), f"TP{tp}": (tp, 1, 1), f"PP{pp}": (1, pp, 1)}
+    both = max(p for p in (1, 2, 4, 8, 16) if p <= config.num_layers and gpus % (tp * p) == 0)
+    choices[f"TP{tp} x PP{both}"] = (tp, both, 1)
+    out = {}
+    for label, (t, p, zero) in choices.items():
+        dp = gpus // (t * p)
+        out[label] = max((stage_memory(config, t, p, 1, dp, s, p, micro_batch, seq_len, zero_stage=zero, **assumptions)
+                          for s in range(p)), key=lambda b: b.total)
+    return out
