@@ -21,7 +21,17 @@ LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.d/labkit.json
 PORTABLE_ENV := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 OMP_NUM_THREADS=2
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: lab test test-portable unit notebooks spread student clean-venv
+# The first chapter, which `make lab` opens (chapters are notebooks/NN_topic.ipynb).
+FIRST_CHAPTER := $(notdir $(firstword $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))))
+# The real-browser test drives Debian's chromium (apt-get install chromium), never a downloaded browser.
+CHROMIUM      ?= /usr/bin/chromium
+BROWSER_JOBS  ?= 2
+# `make grade SUBMISSIONS=submissions/ [CHAPTER=00] [GRADES=grades.csv] [GRADE_TIMEOUT=600]`
+SUBMISSIONS   ?= submissions
+GRADES        ?= grades.csv
+GRADE_TIMEOUT ?= 600
+
+.PHONY: lab test test-portable test-browser unit notebooks spread student grade clean-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,9 +50,15 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -e ".[$(TEST_EXTRAS)]"
 	touch $@
 
-## Open JupyterLab on the chapter notebooks (only reachable from this machine).
+$(VENV)/.installed-browser: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -e ".[lab,test,browser]"
+	touch $@
+
+## Open JupyterLab on the first chapter (only reachable from this machine; the others are in its file browser).
 lab: $(VENV)/.installed-lab $(LAB_OVERRIDES)
-	$(BIN)/jupyter lab --ip=127.0.0.1 --port=$(PORT) --notebook-dir=notebooks $(LAB_FLAGS)
+	$(BIN)/jupyter lab --ip=127.0.0.1 --port=$(PORT) --notebook-dir=notebooks \
+		--LabApp.default_url=/lab/tree/$(FIRST_CHAPTER) $(LAB_FLAGS)
 
 ## Unit tests + every notebook under nbval, on the CPU so results match the stored outputs.
 ## One thread per pytest worker: JOBS workers share the cores instead of oversubscribing them.
@@ -52,6 +68,13 @@ test: $(VENV)/.installed-test $(LAB_OVERRIDES)
 ## The notebooks once more under another CPU code path and thread count (CI runs it after `make test`).
 test-portable: $(VENV)/.installed-test
 	LABKIT_DEVICE=cpu $(PORTABLE_ENV) $(BIN)/python -m pytest -p no:cacheprovider $(NBVAL) notebooks
+
+## Every chapter in JupyterLab in headless Chromium: Run All, no errors, widgets render and react to a control.
+## Screenshots go to build/screenshots/. One chapter: make test-browser PYTEST_ARGS="-k 00_foundations".
+test-browser: $(VENV)/.installed-browser
+	@test -x $(CHROMIUM) || { echo "no Chromium at $(CHROMIUM): apt-get install -y chromium (or CHROMIUM=/path/to/chromium)"; exit 1; }
+	LABKIT_BROWSER_TEST=1 LABKIT_CHROMIUM=$(CHROMIUM) LABKIT_DEVICE=cpu OMP_NUM_THREADS=1 \
+		$(BIN)/python -m pytest -p no:cacheprovider -n $(BROWSER_JOBS) tests/browser $(PYTEST_ARGS)
 
 ## Measure how far each chapter's asserted numbers move across instruction sets and thread counts.
 spread: $(VENV)/.installed-test
@@ -72,6 +95,11 @@ notebooks: $(VENV)/.installed-test
 ## Student versions for a class: solutions removed, outputs cleared, written to student/.
 student: $(VENV)/.installed-lab
 	$(BIN)/python -m labkit.student --out student
+
+## Grade a class: every notebook under $(SUBMISSIONS) (one folder per student) into $(GRADES) + reports/.
+grade: $(VENV)/.installed-lab
+	LABKIT_DEVICE=cpu $(BIN)/python -m labkit.grade $(SUBMISSIONS) --out $(GRADES) --timeout $(GRADE_TIMEOUT) \
+		$(if $(CHAPTER),--chapter $(CHAPTER),)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -7,12 +7,12 @@ model's attention writes to it) and re-exported here.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from labkit.data import ArithmeticTask
+from labkit.hardware import timeit
 from labkit.memory import SavedTensorMeter
 from labkit.model import PRESETS, ModelConfig, TransformerLM, count_parameters, generate
 # KVCache belongs to the model layer (labkit.nn, next to the attention that writes to it) so
@@ -148,9 +148,18 @@ def model_kv_cache_bytes(config: ModelConfig, seq_len: int, batch_size: int = 1,
     return kv_cache_bytes(config.num_layers, config.kv_heads, config.dim_per_head, seq_len, batch_size, dtype)
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype=torch.bfloat16) -> int:
-    """KV-cache bytes one more token of context costs (per sequence) for the architecture ``config``."""
-    return model_kv_cache_bytes(config, seq_len=1, batch_size=1, dtype=dtype)
+def kv_bytes_per_token(config: ModelConfig, dtype=torch.bfloat16, kv_latent_dim: int | None = None, rope_head_dim: int = 64) -> int:
+    """KV-cache bytes one more token of context costs (per sequence) for the architecture ``config``.
+
+    With ``kv_latent_dim``, the attention is multi-head latent attention instead
+    (:func:`labkit.attention_variants.mla_like`): per layer one latent of ``kv_latent_dim`` and one shared RoPE key
+    of ``rope_head_dim``, whatever the number of heads."""
+    if kv_latent_dim is None:
+        return model_kv_cache_bytes(config, seq_len=1, batch_size=1, dtype=dtype)
+    from labkit.attention_variants import mla_like
+
+    mla = mla_like(config, kv_latent_dim, rope_head_dim)
+    return int(round(mla.num_layers * mla.cache_elements_per_layer * bytes_per_element(dtype)))
 
 
 def with_kv_heads(config: ModelConfig, attention: str) -> ModelConfig:
@@ -175,6 +184,8 @@ class KVCacheEstimate:
     kv_bytes: int
     kv_bytes_per_token: int
     gpu_bytes: int
+    cached_tokens: int | None = None  # KV slots held per sequence (after a sliding window, rounded up to paged blocks)
+    notes: tuple[str, ...] = ()  # the attention options in force, as the summary prints them
 
     @property
     def total_bytes(self) -> int:
@@ -189,7 +200,8 @@ class KVCacheEstimate:
         return (
             f"parameters {self.num_params / 1e9:.3g} B -> weights {self.weight_bytes / 1e9:.3g} GB\n"
             f"KV cache {self.kv_bytes_per_token / 1024:.4g} KiB per token -> {self.kv_bytes / 1e9:.3g} GB\n"
-            f"total {self.total_bytes / 1e9:.3g} GB on a {self.gpu_bytes / 1e9:.3g} GB GPU: {verdict}"
+            + "".join(f"  {note}\n" for note in self.notes)
+            + f"total {self.total_bytes / 1e9:.3g} GB on a {self.gpu_bytes / 1e9:.3g} GB GPU: {verdict}"
         )
 
 
@@ -201,10 +213,19 @@ def kv_calculator(
     kv_dtype="bf16",
     weight_dtype="bf16",
     gpu_gb: float = 80.0,
+    kv_latent_dim: int | None = None,
+    rope_head_dim: int = 64,
+    sliding_window: int | None = None,
+    block_size: int | None = None,
 ) -> KVCacheEstimate:
     """The KV-cache calculator behind the chapter's widget: weights + KV cache of a preset name or
     a ``ModelConfig``, with its attention switched to MHA/GQA/MQA if asked (which also changes
-    the K/V projection weights), against a GPU of ``gpu_gb`` gigabytes (10^9 bytes)."""
+    the K/V projection weights), against a GPU of ``gpu_gb`` gigabytes (10^9 bytes).
+
+    Today's options (:mod:`labkit.attention_variants`): ``attention="mla"`` with ``kv_latent_dim`` (and
+    ``rope_head_dim``) caches one latent and one RoPE key per layer and token, with MLA's projections in place of
+    the K/V ones; ``sliding_window`` keeps only the last that many tokens per sequence (a ring buffer);
+    ``block_size`` allocates the cache in pages of that many tokens, rounding each sequence up to whole blocks."""
     if isinstance(config, str):
         if config not in PRESETS:
             raise ValueError(f"config={config!r}: expected a ModelConfig or one of {sorted(PRESETS)}")
@@ -213,14 +234,44 @@ def kv_calculator(
         raise TypeError(f"config: expected a preset name or a ModelConfig, got {type(config).__name__}")
     if not gpu_gb > 0:
         raise ValueError(f"gpu_gb={gpu_gb!r}: expected a positive number")
-    config = with_kv_heads(config, attention)
-    num_params = count_parameters(config)
+    for name, value in dict(batch_size=batch_size, seq_len=seq_len, sliding_window=sliding_window, block_size=block_size).items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"{name}={value!r}: expected a positive integer" + ("" if name in ("batch_size", "seq_len") else " or None"))
+    notes = []
+    if attention == "mla":
+        from labkit.attention_variants import dense_attention_parameters, mla_like
+
+        if kv_latent_dim is None:
+            raise ValueError("attention='mla': set kv_latent_dim, the size of the cached KV latent (DeepSeek-V3: 512)")
+        mla = mla_like(config, kv_latent_dim, rope_head_dim)
+        num_params = count_parameters(config) + config.num_layers * (mla.attention_parameters() - dense_attention_parameters(config))
+        notes.append(f"MLA: latent {kv_latent_dim} + RoPE key {rope_head_dim} = {mla.cache_elements_per_layer} elements "
+                     f"per layer, instead of 2 x {config.kv_heads} K/V heads x {config.dim_per_head}")
+    else:
+        if kv_latent_dim is not None:
+            raise ValueError(f"kv_latent_dim={kv_latent_dim!r}: only used with attention='mla', got attention={attention!r}")
+        config = with_kv_heads(config, attention)
+        num_params = count_parameters(config)
+    per_token = kv_bytes_per_token(config, kv_dtype, kv_latent_dim, rope_head_dim)
+    cached_tokens = seq_len if sliding_window is None else min(seq_len, sliding_window)
+    if sliding_window is not None:
+        notes.append(f"sliding window {sliding_window:,}: {cached_tokens:,} of {seq_len:,} tokens kept per sequence")
+    if block_size is not None:
+        blocks = -(-cached_tokens // block_size)
+        # what a contiguous cache must reserve up front instead: the ring of the window, or the longest allowed sequence
+        reserved, reason = (sliding_window, "the window") if sliding_window else (config.context_length, "context_length")
+        notes.append(f"paged in blocks of {block_size}: {blocks:,} blocks = {blocks * block_size:,} slots per sequence, "
+                     f"{blocks * block_size - cached_tokens} unused (contiguous preallocation to {reason}, "
+                     f"{reserved:,} slots: {max(reserved, cached_tokens) - cached_tokens:,} unused)")
+        cached_tokens = blocks * block_size
     return KVCacheEstimate(
         num_params=num_params,
         weight_bytes=int(round(num_params * bytes_per_element(weight_dtype))),
-        kv_bytes=model_kv_cache_bytes(config, seq_len, batch_size, kv_dtype),
-        kv_bytes_per_token=kv_bytes_per_token(config, kv_dtype),
+        kv_bytes=per_token * cached_tokens * batch_size,
+        kv_bytes_per_token=per_token,
         gpu_bytes=int(gpu_gb * 1e9),
+        cached_tokens=cached_tokens,
+        notes=tuple(notes),
     )
 
 
@@ -328,11 +379,6 @@ def uptraining_table(results: list[UptrainingResult]) -> str:
 
 
 # ----------------------------------------------------------------------------- decode speed
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def random_prompt(model, prompt_len: int, batch_size: int = 1, seed: int = 0) -> torch.Tensor:
     """``[batch_size, prompt_len]`` token ids drawn from a private seeded generator."""
     generator = torch.Generator().manual_seed(seed)
@@ -341,16 +387,11 @@ def random_prompt(model, prompt_len: int, batch_size: int = 1, seed: int = 0) ->
 
 
 def time_generation(model, prompt_ids: torch.Tensor, max_new_tokens: int, use_cache: bool, repeats: int = 3) -> float:
-    """Best-of-``repeats`` wall-clock seconds of greedy :func:`labkit.model.generate`."""
-    device = prompt_ids.device
-    best = float("inf")
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        generate(model, prompt_ids, max_new_tokens, use_cache=use_cache)
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+    """Median wall-clock seconds of greedy :func:`labkit.model.generate` over ``repeats`` runs
+    (:func:`labkit.hardware.timeit`, synchronizing the GPU). No warm-up run of its own: the caller
+    warms the model up once (as :func:`decode_speed` does) instead of once per length."""
+    return timeit(generate, model, prompt_ids, max_new_tokens, use_cache=use_cache, warmup=0, cold=True,
+                  repeats=repeats, number=1).median
 
 
 def decode_speed(model, new_token_counts, prompt_len: int = 8, batch_size: int = 1, repeats: int = 3) -> list[dict]:
@@ -375,26 +416,31 @@ def prefill_and_decode_times(model, prompt_len: int, decode_steps: int = 8, batc
     decode step (one token against the cache). Prefill processes ``prompt_len`` tokens per
     weight read; a decode step processes one, which is why it is memory-bound on a GPU."""
     prompt = random_prompt(model, prompt_len, batch_size)
-    device = prompt.device
-    best_prefill = best_decode = float("inf")
+    state = {}
+
+    def new_cache():
+        state["cache"] = KVCache.for_model(model, batch_size, prompt_len + decode_steps)
+
+    def prefill():
+        state["next_id"] = model(prompt, kv_cache=state["cache"])[:, -1:].argmax(-1)
+
+    def prefilled_cache():
+        new_cache()
+        prefill()
+
+    def decode():
+        next_id = state["next_id"]
+        for _ in range(decode_steps):
+            next_id = model(next_id, kv_cache=state["cache"])[:, -1:].argmax(-1)
+
     was_training = model.training
     model.eval()
-    for _ in range(repeats):
-        cache = KVCache.for_model(model, batch_size, prompt_len + decode_steps)
-        _sync(device)
-        start = time.perf_counter()
-        logits = model(prompt, kv_cache=cache)
-        _sync(device)
-        best_prefill = min(best_prefill, time.perf_counter() - start)
-        next_id = logits[:, -1:].argmax(-1)
-        start = time.perf_counter()
-        for _ in range(decode_steps):
-            next_id = model(next_id, kv_cache=cache)[:, -1:].argmax(-1)
-        _sync(device)
-        best_decode = min(best_decode, (time.perf_counter() - start) / decode_steps)
+    # each sample starts from a fresh (or freshly prefilled) cache, built untimed by `setup`
+    prefill_s = timeit(prefill, setup=new_cache, warmup=1, repeats=repeats).median
+    decode_step_s = timeit(decode, setup=prefilled_cache, warmup=1, repeats=repeats).median / decode_steps
     model.train(was_training)
-    return dict(prompt_len=prompt_len, prefill_s=best_prefill, decode_step_s=best_decode,
-                prefill_tok_s=prompt_len * batch_size / best_prefill, decode_tok_s=batch_size / best_decode)
+    return dict(prompt_len=prompt_len, prefill_s=prefill_s, decode_step_s=decode_step_s,
+                prefill_tok_s=prompt_len * batch_size / prefill_s, decode_tok_s=batch_size / decode_step_s)
 
 
 # ----------------------------------------------------------------------------- attention explorer

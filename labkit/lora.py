@@ -31,13 +31,13 @@ import contextlib
 import copy
 import fnmatch
 import math
-import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from labkit.data import ArithmeticTask
+from labkit.hardware import timeit
 from labkit.memory import (DTYPES, OPTIMIZER_STATES, SavedTensorMeter, activation_terms, model_state_bytes,
                            optimizer_state_bytes, tensor_bytes)
 from labkit.model import ModelConfig, TransformerLM
@@ -613,10 +613,12 @@ def lora_activation_terms(config: ModelConfig, batch_size: int, seq_len: int, ta
         t["attn: qk-norm"] = norm(hd, n * heads, gq) + norm(hd, n * kv, gk) if config.qk_norm else 0
         t["attn: rope cos/sin"] = (gq + gk) * 2 * s * (hd // 2) * f32
         g_scores = gq or gk
-        t["attn: q, k, v"] = (gk + gq + g_scores) * n * heads * hd * p  # q for k's grad, k for q's, v for the probs'
+        # q for k's grad, k for q's, v for the probs': each K/V head once (labkit.nn.grouped_query_attention stacks a
+        # GQA group's queries instead of repeating K/V), and the causal mask once per group member
+        t["attn: q, k, v"] = (gk * heads + gq * kv + g_scores * kv) * n * hd * p
         t["attn: scores, exp, probs"] = (2 * g_scores + gv) * b * heads * s * s * p
         t["attn: row max, row sum"] = 2 * b * heads * s * p if g_scores else 0
-        t["attn: causal mask"] = s * s if g_scores else 0
+        t["attn: causal mask"] = (heads // kv) * s * s if g_scores else 0
         g_attn = g_scores or gv
         t["adapters: output_proj input, A x"] = adapters([name("output_proj")], heads * hd, g_attn)
         grad = grad or g_attn or has["output_proj"]
@@ -749,10 +751,10 @@ def finetune(model: nn.Module, task: ArithmeticTask, steps: int = 300, lr: float
     optimizer = AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
     min_lr = lr / 10 if min_lr is None else min_lr
     model.train()
-    losses, memory, start = [], {}, None
-    for step in range(steps):
-        if step == 1:
-            start = time.perf_counter()
+    losses, memory = [], {}
+
+    def train_step():
+        step = len(losses)
         for group in optimizer.param_groups:
             group["lr"] = lr_cosine_schedule(step, lr, min_lr, warmup_iters, steps)
         batch = examples[torch.randint(len(examples), (batch_size,), generator=generator).to(device)]
@@ -768,7 +770,12 @@ def finetune(model: nn.Module, task: ArithmeticTask, steps: int = 300, lr: float
         if step == 0:
             memory.update(_state_bytes(model, optimizer))
         losses.append(loss.item())
-    seconds = (time.perf_counter() - start) / (steps - 1) if steps > 1 else float("nan")
+
+    if steps > 1:  # the first step (which also measures memory) is the warm-up; each later step is one sample
+        seconds = timeit(train_step, warmup=1, repeats=steps - 1, number=1).mean
+    else:
+        train_step()
+        seconds = float("nan")
     model.eval()
     memory["total"] = sum(memory.values())
     return {"loss": losses, "seconds_per_step": seconds, "trainable": sum(p.numel() for p in params), "memory": memory}

@@ -259,7 +259,8 @@ def count_active_parameters(config: ModelConfig) -> int:
 
 # Published mixture-of-experts architectures (Hugging Face config.json files), kept apart from
 # PRESETS (whose every entry chapter 03 tabulates as a dense model). DeepSeek-V3 is not here:
-# its MLA attention is not a TransformerLM option (labkit.moe counts it from its config).
+# its MLA attention is not a TransformerLM option (labkit.moe counts it from its config; labkit.attention_variants
+# builds MLA itself).
 MOE_PRESETS: dict[str, ModelConfig] = {
     # Mixtral-8x7B: Mistral-7B's attention (GQA 32 / 8) and 8 SwiGLU experts of 14336, top-2 with
     # renormalised softmax gates; published 46.7B total, 12.9B active parameters.

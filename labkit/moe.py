@@ -56,6 +56,7 @@ from labkit.experts import (  # noqa: F401  (re-exported for the chapter)
     top_k_gating,
     update_expert_bias,
 )
+from labkit.hardware import timeit
 from labkit.model import MOE_PRESETS, ModelConfig, TransformerLM, count_active_parameters, count_parameters
 from labkit.quant import DEEPSEEK_V3, deepseek_v3_parameters
 from labkit.train import TrainConfig, cross_entropy, train
@@ -392,8 +393,6 @@ def dense_vs_moe(num_experts: int = 8, top_k: int = 2, d_ff: int = 32, steps: in
     ``ffn_flops_per_token``, ``train_loss`` (per step), ``final_loss`` (on fixed batches of the
     facts) and ``seconds``.
     """
-    import time
-
     if d_ff % top_k:
         raise ValueError(f"d_ff={d_ff}: must be divisible by top_k={top_k} (each expert gets d_ff // top_k)")
     task = experiment_task()
@@ -404,11 +403,12 @@ def dense_vs_moe(num_experts: int = 8, top_k: int = 2, d_ff: int = 32, steps: in
                         ffn_flops_per_token(EXPERIMENT_MODEL["d_model"], expert_d_ff, num_experts, top_k))}
     results = {}
     for name, (config, flops) in variants.items():
-        start = time.perf_counter()
-        model, history = _train_model(config, data, steps, seed)
+        # one training run, first call included: both variants pay the same one-off costs
+        run = timeit(_train_model, config, data, steps, seed, warmup=0, repeats=1, number=1, cold=True)
+        model, history = run.result
         results[name] = dict(params=model.num_params(), active_params=active_parameter_count(model), ffn_flops_per_token=flops,
                              train_loss=history.train_loss, final_loss=fixed_batch_loss(model, data),
-                             seconds=time.perf_counter() - start, model=model)
+                             seconds=run.median, model=model)
     return results
 
 

@@ -165,8 +165,10 @@ def test_kv_calculator_weights_cache_and_fit():
     # switching to MHA grows the cache 8x and the K/V projections with it
     mha = kv_calculator("llama3-8b", attention="mha", batch_size=4, seq_len=8192)
     assert mha.kv_bytes == 4 * est.kv_bytes and mha.num_params == est.num_params + 32 * 2 * 4096 * 4096 * 3 // 4
-    with pytest.raises(ValueError, match="attention"):
+    with pytest.raises(ValueError, match="kv_latent_dim"):  # MLA needs its latent size
         kv_calculator("llama3-8b", attention="mla")
+    mla = kv_calculator("llama3-8b", attention="mla", kv_latent_dim=512, seq_len=8192)
+    assert mla.kv_bytes_per_token == 32 * (512 + 64) * 2 and mla.kv_bytes < est.kv_bytes
     with pytest.raises(ValueError, match="config"):
         kv_calculator("gpt-5")
 

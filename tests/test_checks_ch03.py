@@ -171,3 +171,66 @@ def _float64_always(m, s, acc, scores, values):
 def test_online_softmax_update_rejects_typical_mistakes(wrong, hint):
     with pytest.raises(CheckFailed, match=hint):
         checks.online_softmax_update(wrong)
+
+
+# ----------------------------------------------------------------------------- flash_attention_torch
+def learner_flash(q, k, v, causal=False, block_q=64, block_k=64, scale=None, *, top_left=False, rescale_acc=True,
+                  lse_without_max=False, ignore_scale=False, tile_heads=False, out_fp32=False, full_matrix=False,
+                  in_place=False):
+    """A learner's FlashAttention-2 forward written from the chapter's description; the keywords inject mistakes."""
+    num_q, num_k, dim = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = 1 / dim**0.5 if scale is None or ignore_scale else scale
+    group = q.shape[1] // k.shape[1]
+    k, v = ((t.repeat(1, group, 1, 1) if tile_heads else t.repeat_interleave(group, 1)).float() for t in (k, v))
+    if in_place:
+        q.mul_(1.0001)
+    qf = q.float()
+    offset = 0 if top_left else num_k - num_q
+    if full_matrix:
+        scores = qf @ k.transpose(-2, -1) * scale
+        if causal:
+            scores = scores.masked_fill(~nn.causal_mask(num_q, num_k), float("-inf"))
+        return torch.softmax(scores, -1).matmul(v).to(q.dtype), torch.logsumexp(scores, -1)
+    out, lse = torch.empty_like(qf), torch.empty(qf.shape[:-1])
+    for qs in range(0, num_q, block_q):
+        qb = qf[:, :, qs:qs + block_q]
+        m = torch.full(qb.shape[:-1], float("-inf"))
+        s_run = torch.zeros_like(m)
+        acc = torch.zeros_like(qb)
+        for ks in range(0, num_k, block_k):
+            s = qb @ k[:, :, ks:ks + block_k].transpose(-2, -1) * scale
+            if causal:
+                rows = torch.arange(qs, qs + qb.shape[-2])[:, None]
+                cols = torch.arange(ks, ks + s.shape[-1])[None, :]
+                s = s.masked_fill(cols > rows + offset, float("-inf"))
+            new_m = torch.maximum(m, s.amax(-1))
+            safe = torch.where(torch.isinf(new_m), torch.zeros_like(new_m), new_m)
+            p = torch.exp(s - safe[..., None])
+            correction = torch.exp(m - safe)
+            s_run = s_run * correction + p.sum(-1)
+            acc = (acc * correction[..., None] if rescale_acc else acc) + p @ v[:, :, ks:ks + block_k]
+            m = new_m
+        out[:, :, qs:qs + block_q] = acc / s_run[..., None]
+        lse[:, :, qs:qs + block_q] = torch.log(s_run) if lse_without_max else m + torch.log(s_run)
+    return (out if out_fp32 else out.to(q.dtype)), lse
+
+
+def test_flash_attention_torch_accepts_reference_and_an_independent_solution(capsys):
+    checks.flash_attention_torch(attention.flash_attention_torch)
+    checks.flash_attention_torch(learner_flash)
+    assert capsys.readouterr().out.count("✓ flash_attention_torch") == 2
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    (dict(top_left=True), "bottom-right"),
+    (dict(rescale_acc=False), "rescale acc"),
+    (dict(lse_without_max=True), "max included"),
+    (dict(ignore_scale=True), "scale"),
+    (dict(tile_heads=True), "repeat_interleave, not repeat"),
+    (dict(out_fp32=True), "q's dtype"),
+    (dict(full_matrix=True), "one block_q x block_k tile"),
+    (dict(in_place=True), "in-place"),
+])
+def test_flash_attention_torch_rejects_typical_mistakes(mistake, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks.flash_attention_torch(lambda *args: learner_flash(*args, **mistake))

@@ -1,45 +1,177 @@
+"""Student versions: skeletons in place of solutions, nbgrader metadata, and every chapter still runs.
+
+The slow test here executes each chapter's student version top to bottom in a fresh kernel (through
+labkit.grade's contained runner): every grader cell must fail with "not answered yet" and no other cell
+may fail, so no chapter depends on a learner's answer after an exercise.
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from labkit.student import PLACEHOLDER, make_student_notebook, strip_solutions
+import labkit.checks
+from labkit.student import (BEGIN, NOT_ANSWERED, POINTS, chapter_paths, exercise_text, make_student_notebook,
+                            placeholder, skeleton, strip_solutions, student_notebook)
 
-NOTEBOOKS = sorted(Path(__file__).parent.parent.glob("notebooks/[0-9]*.ipynb"))
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = chapter_paths(ROOT / "notebooks")
+RUN_TIMEOUT_S = 600  # a chapter is ≤ 60 s on an idle 2-core machine; this one is shared
+
+
+def student_version(path: Path) -> tuple[dict, list[str]]:
+    return student_notebook(json.loads(path.read_text(encoding="utf-8")), path.stem)
+
+
+def source(cell) -> str:
+    return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
 
 
 def test_strip_keeps_indentation_and_everything_outside_the_markers():
-    source = "def f(x):\n    # BEGIN SOLUTION\n    return x + 1\n    # END SOLUTION\n\ncheck(f)"
-    assert strip_solutions(source) == f"def f(x):\n    {PLACEHOLDER}\n\ncheck(f)"
+    text = "def f(x):\n    # BEGIN SOLUTION\n    return x + 1\n    # END SOLUTION\n\ncheck(f)"
+    assert strip_solutions(text) == f"def f(x):\n    {placeholder(None, None, False)}\n\ncheck(f)"
 
 
-@pytest.mark.parametrize("source, match", [
+@pytest.mark.parametrize("text, match", [
     ("# BEGIN SOLUTION\nx = 1", "never closed"),
     ("x = 1\n# END SOLUTION", "without"),
     ("# BEGIN SOLUTION\n# BEGIN SOLUTION\n# END SOLUTION", "inside another"),
 ])
-def test_unbalanced_markers_are_reported(source, match):
+def test_unbalanced_markers_are_reported(text, match):
     with pytest.raises(ValueError, match=match):
-        strip_solutions(source)
+        strip_solutions(text)
 
 
-def test_placeholder_makes_the_grader_explain(capsys):
-    import labkit.checks
+EXERCISE_CELLS = [
+    {"cell_type": "markdown", "source": "## Exercises\n\n**Exercise 3 — pairs.** Write `pack(codes)`: two per byte. "
+                                        "Then `unpack(packed, signed)`, its inverse (hint: shifts)."},
+    {"cell_type": "code", "source": "def pack(codes):\n    # BEGIN SOLUTION\n    return codes\n    # END SOLUTION\n\n\n"
+                                    "def unpack(packed, signed):\n    '''Already documented.'''\n    # BEGIN SOLUTION\n"
+                                    "    return packed\n    # END SOLUTION\n\ncheck.pack(pack)"},
+]
 
+
+def test_a_skeleton_keeps_signatures_and_gains_docstrings_and_pointers():
+    exercise = exercise_text(EXERCISE_CELLS, 1)
+    assert exercise.title == "Exercise 3" and exercise.has_hint
+    text = skeleton(EXERCISE_CELLS[1]["source"], exercise)
+    tree = ast.parse(text)
+    pack, unpack = tree.body[:2]
+    assert [a.arg for a in pack.args.args] == ["codes"] and [a.arg for a in unpack.args.args] == ["packed", "signed"]
+    assert ast.get_docstring(pack) == "Write `pack(codes)`: two per byte."  # only the sentences about it
+    assert ast.get_docstring(unpack) == "Already documented."
+    namespace = {}
+    exec(text.replace("check.pack(pack)", ""), namespace)
+    with pytest.raises(NotImplementedError, match=f"{NOT_ANSWERED}: write unpack \\(see the hint in Exercise 3 above\\)"):
+        namespace["unpack"](b"", True)
+    assert BEGIN not in text
+
+
+def test_a_method_skeleton_names_its_class_and_the_class_gets_the_docstring():
+    text = ("class Layer:\n    def __init__(self, n):\n        self.n = n\n        # BEGIN SOLUTION\n        self.w = n\n"
+            "        # END SOLUTION\n")
+    out = skeleton(text, exercise_text([{"cell_type": "markdown", "source": "**Exercise 1.** Write `Layer(n)`."}], 1))
+    layer = ast.parse(out).body[0]
+    assert ast.get_docstring(layer) == "Write `Layer(n)`."
+    assert "write Layer.__init__ (Exercise 1 above says what it must do)" in out and "self.n = n" in out
+
+
+def test_the_placeholder_makes_the_grader_explain():
     namespace = {}
     exec(strip_solutions("def my_get_batch(dataset, batch_size, context_length, device):\n"
-                         "    # BEGIN SOLUTION\n    pass\n    # END SOLUTION"), namespace)
-    with pytest.raises(labkit.checks.CheckFailed, match="your code here(.|\n)*write your answer in place"):
+                         "    # BEGIN SOLUTION\n    pass\n    # END SOLUTION",
+                         [placeholder("my_get_batch", "Exercise 1", False)]), namespace)
+    with pytest.raises(labkit.checks.CheckFailed, match=f"{NOT_ANSWERED}(.|\n)*write your answer in place"):
         labkit.checks.get_batch(namespace["my_get_batch"])
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_every_chapter_has_exercises_that_strip_cleanly(path, tmp_path):
+def test_every_chapter_has_skeletons_and_locked_graders(path, tmp_path):
     removed = make_student_notebook(path, tmp_path / path.name)
     assert removed >= 2  # each chapter ends with graded exercises
     student = nbformat.read(tmp_path / path.name, as_version=4)
     code = [c for c in student.cells if c.cell_type == "code"]
     assert all(not c.outputs and c.execution_count is None for c in code)
+    assert "widgets" not in student.metadata and student.metadata.labkit.chapter == path.stem
     text = "\n".join(c.source for c in code)
-    assert "BEGIN SOLUTION" not in text and text.count(PLACEHOLDER) == removed
-    assert "checks." in text  # the graders are still called
+    assert BEGIN not in text and text.count(NOT_ANSWERED) == removed
+    solutions = [c for c in code if c.metadata.get("nbgrader", {}).get("solution")]
+    graders = [c for c in code if c.metadata.get("nbgrader", {}).get("grade")]
+    assert solutions and graders
+    for cell in solutions:
+        assert cell.metadata.nbgrader.locked is False and NOT_ANSWERED in cell.source
+        tree = ast.parse(cell.source)  # a skeleton is valid Python with a docstring on what it defines
+        assert all(ast.get_docstring(n) for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)))
+    for cell in graders:
+        meta = cell.metadata.nbgrader
+        assert meta.locked is True and meta.points == POINTS and meta.solution is False
+        name = meta.grade_id.removeprefix("check-")
+        assert callable(getattr(labkit.checks, name, None)), f"{meta.grade_id}: no labkit.checks.{name}"
+        assert len(ast.parse(cell.source).body) == 1 and f".{name}(" in cell.source
+    ids = [c.metadata.nbgrader.grade_id for c in solutions + graders]
+    assert len(ids) == len(set(ids))
+
+
+@pytest.fixture(scope="module")
+def runner():
+    from labkit import grade
+
+    return grade
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_student_version_runs_apart_from_its_graders(path, runner, monkeypatch):
+    monkeypatch.setenv("LABKIT_DEVICE", "cpu")
+    notebook, exercises = student_version(path)
+    run = runner.run_notebook(notebook, RUN_TIMEOUT_S)
+    assert not run.failure, f"{path.name}: {run.failure}"
+    problems = []
+    for index, cell in enumerate(run.notebook["cells"]):
+        if cell["cell_type"] != "code" or not source(cell).strip():
+            continue
+        error = next((o for o in cell["outputs"] if o["output_type"] == "error"), None)
+        is_grader = cell["metadata"].get("nbgrader", {}).get("grade")
+        if is_grader and (error is None or NOT_ANSWERED not in error["evalue"] + "".join(error["traceback"])):
+            problems.append(f"grader cell {index + 1} ({source(cell).strip()}) did not say '{NOT_ANSWERED}': "
+                            f"{error and error['ename'] + ': ' + error['evalue'][:300]}")
+        elif not is_grader and error is not None:
+            problems.append(f"cell {index + 1} failed: {error['ename']}: {error['evalue'][:300]}\n    "
+                            + source(cell).strip().splitlines()[0])
+        elif not is_grader and not cell.get("execution_count"):
+            problems.append(f"cell {index + 1} did not run")
+    assert not problems, f"{path.name}:\n  " + "\n  ".join(problems)
+    assert exercises
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nbgrader") is None,
+                    reason="nbgrader is not installed (pip install -e '.[nbgrader]' to check its metadata too)")
+def test_nbgrader_accepts_a_student_version(tmp_path, monkeypatch):
+    """nbgrader's own checks on the cell metadata, then its `generate_assignment` (the teacher's release step)."""
+    import os
+    import sys
+
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # its `alembic`
+    from nbgrader.preprocessors import CheckCellMetadata
+
+    notebook, exercises = student_version(NOTEBOOKS[0])
+    nb = nbformat.from_dict(notebook)
+    CheckCellMetadata().preprocess(nb, {})
+    from nbgrader.apps import NbGraderAPI
+    from traitlets.config import Config
+
+    course = tmp_path / "course"
+    (course / "source" / "ps1").mkdir(parents=True)
+    nbformat.write(nb, course / "source" / "ps1" / NOTEBOOKS[0].name)
+    config = Config()
+    config.CourseDirectory.root = str(course)
+    config.CourseDirectory.db_url = f"sqlite:///{tmp_path / 'gradebook.db'}"
+    result = NbGraderAPI(config=config).generate_assignment("ps1", force=True, create=True)
+    assert result["success"], result.get("error") or result.get("log")
+    released = nbformat.read(course / "release" / "ps1" / NOTEBOOKS[0].name, as_version=4)
+    locked = [c for c in released.cells if c.metadata.get("nbgrader", {}).get("grade")]
+    assert [c.metadata.nbgrader.points for c in locked] == [POINTS] * len(exercises)
+    assert all(c.metadata.nbgrader.get("checksum") for c in locked)  # nbgrader can now detect edits

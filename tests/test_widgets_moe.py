@@ -65,3 +65,19 @@ def test_callback_plots_prints_and_returns_the_data(capsys):
 
 def test_widget_builds():
     assert W.routing_visualiser_widget() is not None
+
+
+def test_interact_targets_return_nothing_so_nothing_is_displayed_twice():
+    from labkit.widgets import drawn
+
+    calls = []
+
+    def callback(a, b=2):
+        calls.append((a, b))
+        return "data the tests read"
+
+    wrapped = drawn(callback)
+    import inspect
+
+    assert wrapped(1) is None and calls == [(1, 2)]
+    assert list(inspect.signature(wrapped).parameters) == ["a", "b"]  # what interact builds its controls from

@@ -15,4 +15,5 @@ from labkit.checks.ch04_moe import *  # noqa: F401,F403
 from labkit.checks.ch06_quant import *  # noqa: F401,F403
 from labkit.checks.ch05_lora import *  # noqa: F401,F403
 from labkit.checks.ch08_parallel import *  # noqa: F401,F403
+from labkit.checks.ch09_hardware import *  # noqa: F401,F403
 from labkit.checks.ch10_preference import *  # noqa: F401,F403

@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from labkit import attention as _attention
 from labkit import nn as _nn
-from labkit.checks._core import (as_tensor, assert_close, call, call_on_copies, expect_device, fail, other_device, passed,
-                                 results)
+from labkit.checks._core import (as_tensor, assert_close, call, call_on_copies, call_twice, expect_device, expect_dtype, fail,
+                                 other_device, passed, results)
 from labkit.model import PRESETS, ModelConfig
 
-__all__ = ["causal_mask", "kv_bytes_per_token", "online_softmax_update"]
+__all__ = ["causal_mask", "flash_attention_torch", "kv_bytes_per_token", "online_softmax_update"]
 
 
 def causal_mask(fn) -> None:
@@ -137,3 +138,88 @@ def online_softmax_update(fn) -> None:
         assert_close(final, torch.softmax(scores, dim=-1) @ values, "acc / sum after all blocks", "", **tol)
     passed("online_softmax_update", "three blocks folded for [B] and [B, H] leading shapes in fp64/fp32, masked keys "
                                     "and blocks, 300-key blocks, scores up to ~1200 without overflow")
+
+
+class _LargestIntermediate(TorchFunctionMode):
+    """Records the largest number of elements any torch function or tensor method returned while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _reference_attention(q, k, v, causal: bool, scale: float):
+    """fp64 attention with the bottom-right causal mask, and the log-sum-exp of each query's scores."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = q.double() @ k.transpose(-2, -1) * scale
+    if causal:
+        scores = scores.masked_fill(~_nn.causal_mask(q.shape[-2], k.shape[-2], device=q.device), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v, torch.logsumexp(scores, dim=-1)
+
+
+def flash_attention_torch(fn) -> None:
+    """Grade ``fn(q, k, v, causal, block_q, block_k, scale) -> (out, lse)``, FlashAttention-2's forward in torch tiles:
+    q ``[B, Hq, Nq, D]``, k and v ``[B, Hkv, Nk, D]`` (query head ``h`` reads K/V head ``h // (Hq/Hkv)``), the causal
+    mask bottom-right aligned, ``out`` in q's dtype and ``lse`` (the log-sum-exp of each query's scaled scores) in
+    fp32. Tries lengths that are not multiples of the blocks, ``Nq < Nk`` and ``Nq > Nk``, GQA and MQA, scores in
+    the hundreds, fp16/bf16, an explicit ``scale``, blocks larger than the sequence, 300 keys (where no operation may
+    build the whole ``Nq x Nk`` score matrix), the other device when there is one; twice, on copies."""
+    gen = torch.Generator().manual_seed(11)
+    device = other_device(None)
+    # (B, Hq, Hkv, Nq, Nk, D, causal, block_q, block_k, magnitude, dtype, scale, device)
+    specs = [(1, 2, 2, 40, 40, 16, False, 16, 16, 1.0, torch.float32, None, "cpu"),
+             (2, 2, 2, 70, 70, 8, True, 32, 16, 1.0, torch.float32, None, "cpu"),
+             (1, 2, 2, 5, 77, 16, True, 16, 32, 1.0, torch.float32, None, "cpu"),
+             (1, 2, 2, 50, 20, 8, False, 16, 16, 1.0, torch.float32, None, "cpu"),
+             (1, 4, 2, 33, 65, 16, True, 16, 16, 1.0, torch.float32, None, "cpu"),
+             (2, 4, 1, 17, 17, 8, True, 8, 8, 1.0, torch.float32, None, "cpu"),
+             (1, 2, 2, 48, 48, 16, True, 16, 16, 12.0, torch.float32, None, "cpu"),
+             (1, 2, 2, 36, 36, 16, False, 16, 16, 1.0, torch.float32, 0.3, "cpu"),
+             (1, 2, 1, 20, 20, 16, True, 128, 128, 1.0, torch.float16, None, "cpu"),
+             (1, 2, 2, 24, 40, 16, True, 16, 16, 1.0, torch.bfloat16, None, "cpu"),
+             (1, 2, 2, 300, 300, 16, True, 64, 64, 1.0, torch.float32, None, "cpu")]
+    if device is not None:
+        specs.append((1, 4, 2, 65, 129, 32, True, 32, 32, 1.0, torch.float16, None, device))
+    names = ("out", "lse")
+    for batch, hq, hkv, nq, nk, dim, causal, block_q, block_k, magnitude, dtype, scale, dev in specs:
+        q = (torch.randn(batch, hq, nq, dim, generator=gen) * magnitude).to(dtype).to(dev)
+        k = (torch.randn(batch, hkv, nk, dim, generator=gen) * magnitude).to(dtype).to(dev)
+        v = torch.randn(batch, hkv, nk, dim, generator=gen).to(dtype).to(dev)
+        tried = (f"flash_attention_torch(q [{batch}, {hq}, {nq}, {dim}], k/v [{batch}, {hkv}, {nk}, {dim}] in {dtype}"
+                 f"{' on ' + str(dev) if dev != 'cpu' else ''}, causal={causal}, block_q={block_q}, block_k={block_k}, "
+                 f"scale={scale}{f', |q|, |k| ~{magnitude:g}' if magnitude != 1 else ''})")
+        meter = _LargestIntermediate()
+        with meter:
+            out, lse = call_twice(fn, tried, (q, k, v, causal, block_q, block_k, scale), names)
+        expected_out, expected_lse = _reference_attention(q, k, v, causal, 1 / dim**0.5 if scale is None else scale)
+        for name, got in (("out", out), ("lse", lse)):
+            expect_device(got, dev, name, tried)
+        expect_dtype(out, dtype, "out", tried, "return out in q's dtype (compute in fp32, cast at the end)")
+        expect_dtype(lse, torch.float32, "lse", tried, "keep lse in fp32: the backward recomputes P = exp(S - lse) from it")
+        if lse.shape != expected_lse.shape:
+            fail(tried, f"lse of shape {tuple(lse.shape)}", f"shape {tuple(expected_lse.shape)}", "one log-sum-exp per query row")
+        loose = dtype in (torch.float16, torch.bfloat16)
+        tol = dict(rtol=2e-2, atol=2e-2) if loose else dict(rtol=1e-4, atol=1e-4)
+        hint = ("query i sees keys j <= i + Nk - Nq (bottom-right); rescale acc AND the running sum by "
+                "exp(old max - new max) whenever the max grows; query head h reads K/V head h // (Hq // Hkv) "
+                "(repeat_interleave, not repeat); multiply the scores by `scale` when it is given")
+        assert_close(out.float().cpu(), expected_out.to(torch.float32).cpu(), f"{tried} -> out", hint, **tol)
+        assert_close(lse.cpu(), expected_lse.to(torch.float32).cpu(), f"{tried} -> lse",
+                     "lse = running max + log(running sum): the log of the softmax denominator of the scaled scores, "
+                     "max included", **(dict(rtol=1e-2, atol=1e-2) if loose else dict(rtol=1e-4, atol=1e-4)))
+        limit = 2 * max(q.numel(), k.numel() * (hq // hkv), batch * hq * block_q * block_k)
+        if nq * nk > 4 * max(nq, nk) * dim and meter.largest > limit:
+            fail(tried, f"an intermediate tensor of {meter.largest:,} elements", f"none above ~{limit:,} (the inputs or "
+                 f"one {block_q} x {block_k} tile of scores per head)",
+                 "compute scores one block_q x block_k tile at a time; the point of FlashAttention is never to hold the "
+                 "Nq x Nk matrix")
+    passed("flash_attention_torch", "ragged lengths, Nq < Nk and Nq > Nk with the bottom-right mask, GQA and MQA, large "
+                                    "scores, fp16/bf16, explicit scale, blocks longer than the sequence, no full score matrix")

@@ -10,9 +10,14 @@ import torch
 
 from labkit.attention import DTYPE_BYTES, attention_explorer, kv_calculator
 from labkit.model import PRESETS, ModelConfig
+from labkit.widgets import drawn
 
 GPU_SIZES_GB = {"24 GB (RTX 4090)": 24, "40 GB (A100 40GB)": 40, "80 GB (H100)": 80, "141 GB (H200)": 141}
-ATTENTION_CHOICES = ("as published", "mha", "gqa", "mqa")
+ATTENTION_CHOICES = ("as published", "mha", "gqa", "mqa", "mla")
+# widget menus of today's cache options (labkit.attention_variants); 0 switches an option off
+KV_LATENT_CHOICES = (128, 256, 512, 1024)  # DeepSeek-V2/V3 cache a 512-element latent
+WINDOW_CHOICES = {"off": 0, "1024 (Gemma 3 local layers)": 1024, "4096 (Mistral 7B v0.1, Gemma 2 local layers)": 4096, "8192": 8192}
+BLOCK_CHOICES = {"contiguous": 0, "16 (vLLM default)": 16, "32": 32, "128": 128}
 
 
 def plot_attention(weights: torch.Tensor, labels: list[str], ax=None, title: str | None = None):
@@ -45,7 +50,7 @@ def attention_explorer_widget(model, tokenizer, prompt: str):
     import ipywidgets as widgets
 
     return widgets.interact(
-        lambda prompt, layer, head, causal: show_attention(model, tokenizer, prompt, layer, head, causal),
+        drawn(lambda prompt, layer, head, causal: show_attention(model, tokenizer, prompt, layer, head, causal)),
         prompt=widgets.Text(value=prompt, description="prompt"),
         layer=widgets.IntSlider(0, 0, len(model.layers) - 1, description="layer"),
         head=widgets.IntSlider(0, 0, model.config.num_heads - 1, description="head"),
@@ -67,16 +72,24 @@ def kv_calculator_report(
     head_dim: int = 128,
     d_ff: int = 14336,
     vocab_size: int = 128256,
+    kv_latent_dim: int = 512,
+    rope_head_dim: int = 64,
+    sliding_window: int = 0,
+    block_size: int = 0,
 ) -> str:
     """Callback of the KV-cache calculator: the text it shows. ``preset="custom"`` builds the
-    architecture from the remaining fields; an impossible one is reported, not raised."""
+    architecture from the remaining fields; an impossible one is reported, not raised.
+    ``kv_latent_dim`` and ``rope_head_dim`` apply with ``attention="mla"``; ``sliding_window`` and
+    ``block_size`` of 0 mean no window and a contiguous cache."""
     try:
         if preset == "custom":
             config = ModelConfig(vocab_size=vocab_size, context_length=max(seq_len, 1), d_model=d_model, num_layers=num_layers,
                                  num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, d_ff=d_ff)
         else:
             config = preset
-        estimate = kv_calculator(config, attention, batch_size, seq_len, kv_dtype, "bf16", gpu_gb)
+        estimate = kv_calculator(config, attention, batch_size, seq_len, kv_dtype, "bf16", gpu_gb,
+                                 kv_latent_dim=kv_latent_dim if attention == "mla" else None, rope_head_dim=rope_head_dim,
+                                 sliding_window=sliding_window or None, block_size=block_size or None)
     except (ValueError, TypeError) as err:
         return f"cannot size this model: {err}"
     header = f"{preset}, {attention} attention, batch {batch_size} x {seq_len} tokens, KV cache in {kv_dtype}, weights in bf16"
@@ -85,7 +98,7 @@ def kv_calculator_report(
 
 def kv_calculator_widget():
     """Dropdowns and sliders over :func:`kv_calculator_report` (the custom fields apply when
-    the preset is "custom")."""
+    the preset is "custom", the MLA ones when the attention is "mla")."""
     import ipywidgets as widgets
 
     def show(**kwargs):
@@ -107,4 +120,8 @@ def kv_calculator_widget():
         head_dim=widgets.BoundedIntText(128, min=8, max=512, description="head dim", **int_box),
         d_ff=widgets.BoundedIntText(14336, min=64, max=131072, description="d_ff", **int_box),
         vocab_size=widgets.BoundedIntText(128256, min=2, max=1_000_000, description="vocab", **int_box),
+        kv_latent_dim=widgets.Dropdown(options=KV_LATENT_CHOICES, value=512, description="MLA latent", **int_box),
+        rope_head_dim=widgets.Dropdown(options=(32, 64, 128), value=64, description="MLA RoPE key", **int_box),
+        sliding_window=widgets.Dropdown(options=WINDOW_CHOICES, value=0, description="sliding window", **int_box),
+        block_size=widgets.Dropdown(options=BLOCK_CHOICES, value=0, description="paged blocks", **int_box),
     )

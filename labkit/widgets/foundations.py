@@ -5,6 +5,7 @@ import matplotlib.pyplot as plt
 
 from labkit.foundations import INIT_ACTIVATIONS, init_statistics, recommended_gain
 from labkit.plots import plot_init_statistics
+from labkit.widgets import drawn
 
 SCALE_RANGE = (0.25, 4.0)
 
@@ -29,7 +30,7 @@ def init_scale_explorer():
     import ipywidgets as widgets
 
     return widgets.interact(
-        show_init_statistics,
+        drawn(show_init_statistics),
         scale=widgets.FloatSlider(value=1.0, min=SCALE_RANGE[0], max=SCALE_RANGE[1], step=0.05, continuous_update=False),
         activation=widgets.Dropdown(options=sorted(INIT_ACTIVATIONS), value="tanh"),
         depth=widgets.IntSlider(value=32, min=1, max=128, continuous_update=False),

@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt
 from labkit import lora as L
 from labkit.claims import about
 from labkit.model import PRESETS
+from labkit.widgets import drawn
 
 RANKS = (1, 2, 4, 8, 16, 32, 64)
 KIND_COLORS = {"weights": "tab:blue", "quant_scales": "tab:cyan", "adapters": "tab:olive", "grads": "tab:orange",
@@ -132,7 +133,7 @@ def rank_explorer_widget(rows: list[dict] | None = None, chapter_config=None):
 
     models = explorer_models(chapter_config)
     return widgets.interact(
-        show_rank_explorer,
+        drawn(show_rank_explorer),
         model=widgets.Dropdown(options=list(models), value="Llama-2-7B", description="model"),
         rank=widgets.SelectionSlider(options=RANKS, value=8, description="rank r"),
         alpha=widgets.FloatLogSlider(value=16, base=2, min=0, max=9, step=1, description="alpha"),

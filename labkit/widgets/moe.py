@@ -10,6 +10,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from labkit import moe
+from labkit.widgets import drawn
 
 EXPERT_COUNTS = (2, 4, 8, 16, 32)
 
@@ -94,7 +95,7 @@ def routing_visualiser_widget():
     import ipywidgets as widgets
 
     return widgets.interact(
-        show_routing,
+        drawn(show_routing),
         num_experts=widgets.Dropdown(options=EXPERT_COUNTS, value=8, description="experts"),
         top_k=widgets.IntSlider(2, 1, 8, description="top-k"),
         capacity_factor=widgets.FloatSlider(value=1.25, min=0.25, max=3.0, step=0.25, description="capacity f."),

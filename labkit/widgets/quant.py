@@ -11,6 +11,7 @@ import math
 import matplotlib.pyplot as plt
 
 from labkit import quant as Q
+from labkit.widgets import drawn
 
 GROUP_SIZES = (4, 8, 16, 32)
 
@@ -84,7 +85,7 @@ def quantization_explorer_widget():
     import ipywidgets as widgets
 
     return widgets.interact(
-        show_quantization,
+        drawn(show_quantization),
         bits=widgets.IntSlider(4, Q.MIN_BITS, Q.MAX_BITS, description="bits"),
         symmetric=widgets.Checkbox(value=True, description="symmetric"),
         granularity=widgets.Dropdown(options=Q.GRANULARITIES, value="channel", description="granularity"),

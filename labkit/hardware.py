@@ -1,0 +1,982 @@
+"""The machine under the code: what it has, how fast each part of it is, and how to time code on it.
+
+An operator reads its inputs from memory, computes, and writes its outputs back, so its speed is set
+by compute *and* by memory traffic. This module reads the machine's hardware from the operating
+system (:func:`machine_report`), measures the memory hierarchy (:func:`bandwidth_sweep`,
+:func:`latency_sweep`, :func:`stride_sweep`) and the arithmetic peak (:func:`matmul_flops`), places
+operators on a :class:`Roofline` (:func:`arithmetic_intensity`), times code correctly
+(:func:`timeit`, built on ``torch.utils.benchmark``) and profiles it (:func:`profile_step`, built on
+``torch.profiler``). The staged slow loops of the chapter (:func:`softmax_rows_loop`,
+:func:`gelu_unfused`, :class:`Prefetcher`) live here too.
+
+Every number measured here belongs to one machine at one moment: shown, never compared digit for digit.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+import torch
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+# ----------------------------------------------------------------------------- the machine report
+@dataclasses.dataclass(frozen=True)
+class Cache:
+    """One cache level as the OS describes it: ``shared_by`` logical CPUs use one instance of it."""
+
+    level: int
+    kind: str  # "Data", "Instruction" or "Unified"
+    size_bytes: int
+    line_bytes: int | None
+    shared_by: int
+    instances: int
+
+    @property
+    def name(self) -> str:
+        return f"L{self.level}" + {"Data": "d", "Instruction": "i"}.get(self.kind, "")
+
+
+@dataclasses.dataclass(frozen=True)
+class CPUReport:
+    model: str
+    logical_cpus: int | None
+    physical_cores: int | None
+    threads_per_core: int | None
+    sockets: int | None
+    numa_nodes: int | None
+    caches: tuple[Cache, ...]
+    memory_bytes: int | None
+    governor: str | None
+    source: str  # "sysfs", "sysctl" or "unknown"
+
+    def cache(self, name: str) -> Cache | None:
+        """The cache called ``name`` ("L1d", "L2", "L3", ...), or None when the OS did not report it."""
+        return next((c for c in self.caches if c.name == name), None)
+
+    @property
+    def line_bytes(self) -> int | None:
+        lines = {c.line_bytes for c in self.caches if c.line_bytes}
+        return min(lines) if lines else None
+
+
+@dataclasses.dataclass(frozen=True)
+class GPUPeaks:
+    """Datasheet figures of one GPU (dense tensor-core math, no sparsity)."""
+
+    name: str
+    tflops: Mapping[str, float]  # dtype name → TFLOP/s
+    bandwidth_tb_s: float
+    memory_gb: float
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class GPUReport:
+    name: str
+    sms: int
+    memory_bytes: int
+    capability: tuple[int, int]
+    peaks: GPUPeaks | None
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineReport:
+    cpu: CPUReport
+    gpus: tuple[GPUReport, ...]
+
+    def rows(self) -> list[dict]:
+        """The report as table rows (what, value): the cores, each cache level, memory, each GPU."""
+        cpu = self.cpu
+        rows = [dict(what="CPU", value=cpu.model),
+                dict(what="cores", value=f"{_or_unknown(cpu.physical_cores)} physical, {_or_unknown(cpu.logical_cpus)} logical "
+                                         f"({_or_unknown(cpu.threads_per_core)} per core), {_or_unknown(cpu.sockets)} socket(s), "
+                                         f"{_or_unknown(cpu.numa_nodes)} NUMA node(s)")]
+        per_thread = cpu.threads_per_core or 1
+        for c in cpu.caches:
+            cores = max(1, c.shared_by // per_thread)
+            where = "per core" if cores == 1 else f"per {cores} cores"
+            line = f", {c.line_bytes}-byte lines" if c.line_bytes else ""
+            rows.append(dict(what=c.name, value=f"{format_bytes(c.size_bytes)} {where} (x{c.instances}){line}"))
+        rows.append(dict(what="memory", value=format_bytes(cpu.memory_bytes) if cpu.memory_bytes else "unknown"))
+        rows.append(dict(what="frequency governor", value=cpu.governor or "not reported"))
+        for g in self.gpus:
+            peak = ""
+            if g.peaks:
+                bf16 = g.peaks.tflops.get("bfloat16")
+                peak = f"; datasheet: {bf16:g} TFLOP/s bf16, {g.peaks.bandwidth_tb_s:g} TB/s"
+            rows.append(dict(what="GPU", value=f"{g.name}: {g.sms} SMs, {format_bytes(g.memory_bytes)}, "
+                                               f"compute capability {g.capability[0]}.{g.capability[1]}{peak}"))
+        if not self.gpus:
+            rows.append(dict(what="GPU", value="none"))
+        return rows
+
+
+def _or_unknown(value) -> str:
+    return "?" if value is None else str(value)
+
+
+def format_bytes(n: int | float) -> str:
+    """``32768`` → ``'32 KiB'``, ``1.5 * 2**20`` → ``'1.5 MiB'`` (binary units, as caches are sized)."""
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{int(n)} B"
+
+
+def _parse_size(text: str) -> int:
+    """A sysfs cache size: ``'32K'`` → 32768, ``'32768K'``, ``'1M'``, or plain bytes."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)\s*", text)
+    if not match:
+        raise ValueError(f"cannot read a cache size from {text!r}")
+    return int(match.group(1)) * {"": 1, "K": KiB, "M": MiB, "G": GiB}[match.group(2)]
+
+
+def _parse_cpu_list(text: str) -> list[int]:
+    """``'0-3,8,10-11'`` → ``[0, 1, 2, 3, 8, 10, 11]``."""
+    cpus = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        low, _, high = part.partition("-")
+        cpus.extend(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def linux_cpu_report(read: Callable[[str], str | None]) -> CPUReport:
+    """The CPU as Linux describes it, through ``read(path)`` (the file's text, or None if absent):
+    ``/sys/devices/system/cpu/...`` for topology and caches, ``/proc/cpuinfo`` and ``/proc/meminfo``."""
+    cpu_dir = "/sys/devices/system/cpu"
+    online = read(f"{cpu_dir}/online")
+    cpus = _parse_cpu_list(online) if online else []
+    cores, packages, thread_counts = set(), set(), []
+    caches: dict[tuple, set] = collections.defaultdict(set)  # (level, kind, size, line) → set of shared cpu lists
+    for cpu in cpus:
+        top = f"{cpu_dir}/cpu{cpu}/topology"
+        package, core, siblings = read(f"{top}/physical_package_id"), read(f"{top}/core_id"), read(f"{top}/thread_siblings_list")
+        if package is not None and core is not None:
+            cores.add((int(package), int(core)))
+            packages.add(int(package))
+        if siblings:
+            thread_counts.append(len(_parse_cpu_list(siblings)))
+        for index in range(16):
+            base = f"{cpu_dir}/cpu{cpu}/cache/index{index}"
+            level = read(f"{base}/level")
+            if level is None:
+                break
+            size = read(f"{base}/size")
+            if not size:
+                continue
+            line = read(f"{base}/coherency_line_size")
+            shared = read(f"{base}/shared_cpu_list") or str(cpu)
+            key = (int(level), (read(f"{base}/type") or "Unified").strip(), _parse_size(size), int(line) if line else None)
+            caches[key].add(tuple(_parse_cpu_list(shared)))
+    cache_list = tuple(sorted(
+        (Cache(level, kind, size, line, shared_by=max(len(s) for s in shared), instances=len(shared))
+         for (level, kind, size, line), shared in caches.items()),
+        key=lambda c: (c.level, c.kind != "Data")))
+    nodes = read("/sys/devices/system/node/online")
+    info = read("/proc/cpuinfo") or ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                  if line.split(":")[0].strip() in ("model name", "Model", "Hardware")), None)
+    mem = re.search(r"MemTotal:\s+(\d+) kB", read("/proc/meminfo") or "")
+    governor = read(f"{cpu_dir}/cpu{cpus[0]}/cpufreq/scaling_governor") if cpus else None
+    return CPUReport(
+        model=model or platform.processor() or "unknown",
+        logical_cpus=len(cpus) or None,
+        physical_cores=len(cores) or None,
+        threads_per_core=max(thread_counts) if thread_counts else None,
+        sockets=len(packages) or None,
+        numa_nodes=len(_parse_cpu_list(nodes)) if nodes else None,
+        caches=cache_list,
+        memory_bytes=int(mem.group(1)) * KiB if mem else None,
+        governor=governor.strip() if governor else None,
+        source="sysfs")
+
+
+def parse_sysctl(text: str) -> dict[str, str]:
+    """``sysctl -a`` (or ``sysctl hw machdep``) output, ``name: value`` per line, as a dict."""
+    values = {}
+    for line in text.splitlines():
+        name, sep, value = line.partition(":")
+        if sep and name.strip():
+            values[name.strip()] = value.strip()
+    return values
+
+
+def macos_cpu_report(sysctl: Mapping[str, str]) -> CPUReport:
+    """The CPU as macOS's ``sysctl`` describes it. On Apple silicon the performance cores
+    (``hw.perflevel0.*``) are reported: their L2 is shared by ``cpusperl2`` cores; there is no L3
+    for the CPU (the system-level cache is not reported)."""
+    def number(name):
+        value = sysctl.get(name)
+        return int(value) if value not in (None, "") else None
+
+    logical, physical = number("hw.logicalcpu"), number("hw.physicalcpu")
+    line = number("hw.cachelinesize")
+    # hw.cacheconfig: how many logical CPUs share memory, L1, L2, L3 (Intel Macs report it per level)
+    sharing = [int(v) for v in sysctl.get("hw.cacheconfig", "").split()]
+    prefix = "hw.perflevel0." if number("hw.nperflevels") else "hw."
+    cpus_in_level = number(prefix + "logicalcpu") or logical or 1
+    caches = []
+    for level, kind, key, shared_key in ((1, "Data", "l1dcachesize", None), (1, "Instruction", "l1icachesize", None),
+                                         (2, "Unified", "l2cachesize", "cpusperl2"), (3, "Unified", "l3cachesize", "cpusperl3")):
+        size = number(prefix + key) or number("hw." + key)
+        if not size:
+            continue
+        shared = (number(prefix + shared_key) if shared_key else None) or \
+            (sharing[level] if len(sharing) > level and sharing[level] else (1 if level == 1 else cpus_in_level))
+        caches.append(Cache(level, kind, size, line, shared_by=shared, instances=max(1, cpus_in_level // shared)))
+    threads = logical // physical if logical and physical else None
+    return CPUReport(model=sysctl.get("machdep.cpu.brand_string", "unknown"), logical_cpus=logical, physical_cores=physical,
+                     threads_per_core=threads, sockets=number("hw.packages"), numa_nodes=1 if logical else None,
+                     caches=tuple(caches), memory_bytes=number("hw.memsize"), governor=None, source="sysctl")
+
+
+def _read_file(path: str) -> str | None:
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def cpu_report() -> CPUReport:
+    """This machine's CPU: from sysfs on Linux, ``sysctl`` on macOS, what Python knows elsewhere."""
+    system = platform.system()
+    if system == "Linux" and Path("/sys/devices/system/cpu/online").exists():
+        return linux_cpu_report(_read_file)
+    if system == "Darwin":
+        try:
+            out = subprocess.run(["sysctl", "hw", "machdep"], capture_output=True, text=True, timeout=10, check=True).stdout
+            return macos_cpu_report(parse_sysctl(out))
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return CPUReport(model=platform.processor() or "unknown", logical_cpus=os.cpu_count(), physical_cores=None,
+                     threads_per_core=None, sockets=None, numa_nodes=None, caches=(), memory_bytes=None, governor=None,
+                     source="unknown")
+
+
+# Datasheet peaks, dense (the "with sparsity" figures are twice these). fp32 is the non-tensor-core rate.
+GPU_DATASHEETS: dict[str, GPUPeaks] = {
+    "H200": GPUPeaks("H200 SXM", {"float32": 67, "tf32": 494.5, "bfloat16": 989.5, "float16": 989.5, "float8": 1979},
+                     4.8, 141, "NVIDIA H200 Tensor Core GPU datasheet (2024), SXM column; tensor figures halved (datasheet quotes sparsity)"),
+    "H100 SXM": GPUPeaks("H100 SXM", {"float32": 67, "tf32": 494.5, "bfloat16": 989.5, "float16": 989.5, "float8": 1979},
+                         3.35, 80, "NVIDIA H100 Tensor Core GPU datasheet (2023), SXM5 column; tensor figures halved (datasheet quotes sparsity)"),
+    "A100": GPUPeaks("A100 SXM4 80GB", {"float32": 19.5, "tf32": 156, "bfloat16": 312, "float16": 312},
+                     2.039, 80, "NVIDIA A100 Tensor Core GPU datasheet (2021), 80GB SXM column, dense"),
+    "RTX 4090": GPUPeaks("RTX 4090", {"float32": 82.6, "tf32": 82.6, "bfloat16": 165.2, "float16": 165.2, "float8": 330.3},
+                         1.008, 24, "NVIDIA Ada Lovelace GPU architecture whitepaper (2022), Appendix A: dense, fp32 accumulate"),
+}
+_DATASHEET_NAMES = (("H200", "H200"), ("H100", "H100 SXM"), ("A100", "A100"), ("4090", "RTX 4090"))
+
+
+def datasheet_for(gpu_name: str) -> GPUPeaks | None:
+    """The datasheet entry for a name as ``torch.cuda.get_device_name`` gives it (None when unknown)."""
+    if "H100" in gpu_name and "PCIe" in gpu_name:
+        return None  # slower clocks and HBM2e than the SXM part: no entry rather than a wrong one
+    return next((GPU_DATASHEETS[key] for pattern, key in _DATASHEET_NAMES if pattern in gpu_name), None)
+
+
+def gpu_reports() -> tuple[GPUReport, ...]:
+    if not torch.cuda.is_available():
+        return ()
+    reports = []
+    for index in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(index)
+        reports.append(GPUReport(p.name, p.multi_processor_count, p.total_memory, (p.major, p.minor), datasheet_for(p.name)))
+    return tuple(reports)
+
+
+def machine_report() -> MachineReport:
+    """This machine's CPU (model, cores, SMT, NUMA nodes, caches and line size, memory) and GPUs
+    (name, SMs, memory, datasheet peaks for the GPUs in :data:`GPU_DATASHEETS`)."""
+    return MachineReport(cpu_report(), gpu_reports())
+
+
+# ----------------------------------------------------------------------------- timing
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Seconds per call of ``repeats`` samples (each the mean of ``number`` back-to-back calls)."""
+
+    samples: tuple[float, ...]
+    number: int
+    warmup: int
+    synchronized: bool
+    result: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.samples)
+
+    @property
+    def min(self) -> float:
+        return min(self.samples)
+
+    @property
+    def iqr(self) -> float:
+        """Interquartile range (seconds): the spread of the middle half of the samples."""
+        return _iqr(self.samples)
+
+    @property
+    def cold(self) -> bool:
+        """True when the first call was timed (``warmup=0``): compilation and first-touch costs are in it."""
+        return self.warmup == 0
+
+    def __str__(self) -> str:
+        text = f"{format_seconds(self.median)} median, IQR {format_seconds(self.iqr)} ({len(self.samples)} x {self.number} calls)"
+        return text + (" [includes the first call]" if self.cold else "")
+
+
+def _iqr(values) -> float:
+    if len(values) < 2:
+        return 0.0
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[2] - q[0]
+
+
+def format_seconds(seconds: float) -> str:
+    """``0.0012`` → ``'1.2 ms'``: three significant digits in s, ms, µs or ns."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(seconds) >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
+def _default_sync() -> Callable[[], None] | None:
+    if torch.cuda.is_available():
+        return torch.cuda.synchronize
+    if hasattr(torch, "accelerator") and torch.accelerator.is_available():
+        return torch.accelerator.synchronize
+    return None
+
+
+def timeit(fn: Callable, *args, warmup: int = 1, repeats: int = 7, number: int | None = None,
+           sync: bool | Callable[[], None] = True, setup: Callable[[], Any] | None = None,
+           min_sample_s: float = 0.01, cold: bool = False, **kwargs) -> Timing:
+    """Time ``fn(*args, **kwargs)``: ``warmup`` untimed calls, then ``repeats`` samples of ``number``
+    calls each (chosen so one sample takes about ``min_sample_s`` when ``number`` is None).
+
+    - ``sync=True`` synchronizes the GPU (CUDA or another accelerator, when present) before starting
+      and after finishing each sample, so asynchronous kernels are inside the time; a callable is used
+      as the synchronize function; ``sync=False`` times only the launches (to show that pitfall).
+    - ``setup()`` runs untimed before each sample (e.g. a fresh cache); with it, ``number`` defaults to 1.
+    - ``warmup=0`` times the first call, which pays for compilation, lazy initialization and first-touch
+      page faults: it is refused unless ``cold=True`` says that is what you want.
+
+    The samples are timed by ``torch.utils.benchmark.Timer`` (its ``timeit`` loop: garbage collection
+    off while a sample runs) with this function's clock, at torch's current thread count. Returns a
+    :class:`Timing` (median, IQR, min, mean and every sample, in seconds per call; ``result`` holds
+    the last call's return value).
+    """
+    if not callable(fn):
+        raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
+    for name, value, low in (("warmup", warmup, 0), ("repeats", repeats, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name}={value!r}: expected an int >= {low}")
+    if number is not None and (not isinstance(number, int) or isinstance(number, bool) or number < 1):
+        raise ValueError(f"number={number!r}: expected an int >= 1 (calls per sample) or None (chosen for you)")
+    if warmup == 0 and not cold:
+        raise ValueError("warmup=0 would time the first call, which includes one-off costs (torch.compile's "
+                         "compilation, lazy initialization, allocation and page faults); give warmup >= 1, or pass "
+                         "cold=True to time the first call on purpose")
+    run, last, synchronized = _sampler(fn, args, kwargs, sync, setup)
+    for _ in range(warmup):
+        run(1)
+    if number is None:
+        number = 1 if setup or cold else _calls_per_sample(run, min_sample_s)
+    samples = tuple(max(run(number), 1e-9) / number for _ in range(repeats))
+    return Timing(samples, number, warmup, synchronized, last[0])
+
+
+def _sampler(fn: Callable, args: tuple, kwargs: dict, sync, setup):
+    """``(run, last, synchronized)``: ``run(number)`` is the seconds of ``number`` calls of
+    ``fn(*args, **kwargs)`` after an untimed ``setup()``, timed by ``torch.utils.benchmark.Timer``'s
+    loop with a clock that synchronizes the GPU; ``last[0]`` holds the last call's result."""
+    from torch.utils.benchmark import Timer
+
+    synchronize = sync if callable(sync) else (_default_sync() if sync else None)
+    last: list = [None]
+
+    def call():
+        last[0] = fn(*args, **kwargs)
+
+    def clock() -> float:
+        if synchronize is not None:
+            synchronize()
+        return time.perf_counter()
+
+    timer = Timer(stmt="call()", setup="setup()" if setup else "pass", timer=clock,
+                  globals={"call": call, "setup": setup}, num_threads=torch.get_num_threads())
+    return timer._timer.timeit, last, synchronize is not None  # the stdlib timeit loop torch's Timer wraps
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Two callables timed in alternation: ``ratios[i]`` = baseline's i-th sample / candidate's i-th sample."""
+
+    baseline: Timing
+    candidate: Timing
+    ratios: tuple[float, ...]
+
+    @property
+    def speedup(self) -> float:
+        """How many times faster the candidate is: the median of the paired ratios."""
+        return statistics.median(self.ratios)
+
+
+def compare(baseline: Callable[[], Any], candidate: Callable[[], Any], repeats: int = 7, warmup: int = 1,
+            sync: bool | Callable[[], None] = True, min_sample_s: float = 0.01, threads: int | None = None) -> Comparison:
+    """Time ``baseline()`` and ``candidate()`` (no arguments: wrap them in lambdas) sample by sample in
+    alternation, so that both see the same load from other programs, and return their
+    :class:`Timing` s and the per-pair ratios (the robust way to measure a speed-up on a busy machine).
+
+    ``threads``: torch's thread count while timing (e.g. 1: a parallel op on a machine whose other
+    cores are busy waits for its slowest thread, which makes its time erratic); default: unchanged."""
+    for name, fn in (("baseline", baseline), ("candidate", candidate)):
+        if not callable(fn):
+            raise TypeError(f"{name}: expected a callable, got {type(fn).__name__}")
+    for name, value in (("warmup", warmup), ("repeats", repeats)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected an int >= 1")
+    samples: tuple[list, list] = ([], [])
+    with _threads(threads):
+        runs = [_sampler(fn, (), {}, sync, None) for fn in (baseline, candidate)]
+        for run, _, _ in runs:
+            for _ in range(warmup):
+                run(1)
+        numbers = [_calls_per_sample(run, min_sample_s) for run, _, _ in runs]
+        for _ in range(repeats):
+            for (run, _, _), number, out in zip(runs, numbers, samples):
+                out.append(max(run(number), 1e-9) / number)
+    timings = [Timing(tuple(out), number, warmup, synced, last[0]) for (_, last, synced), number, out in zip(runs, numbers, samples)]
+    return Comparison(timings[0], timings[1], tuple(a / b for a, b in zip(*samples)))
+
+
+def _calls_per_sample(run, min_sample_s: float, limit: int = 1 << 20) -> int:
+    """Calls per sample so that one sample lasts about ``min_sample_s``: clock overhead and timer
+    resolution then stay far below the measured time (these calls are warm-up too)."""
+    number, elapsed = 1, run(1)
+    while elapsed < min_sample_s / 2 and number < limit:
+        number = min(limit, number * max(2, min(100, int(min_sample_s / max(elapsed, 1e-7)))))
+        elapsed = run(number)
+    return number
+
+
+# ----------------------------------------------------------------------------- the memory hierarchy
+def _sizes(sizes: Iterable[int], name: str = "sizes") -> list[int]:
+    sizes = list(sizes)
+    if not sizes or any(not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s <= 0 for s in sizes):
+        raise ValueError(f"{name}: expected a non-empty list of positive ints (bytes), got {sizes!r}")
+    if sorted(sizes) != sizes or len(set(sizes)) != len(sizes):
+        raise ValueError(f"{name}: expected increasing sizes, got {sizes!r}")
+    return [int(s) for s in sizes]
+
+
+class _threads:
+    """Run the body with ``torch.set_num_threads(n)``, restoring the old count after."""
+
+    def __init__(self, n: int | None):
+        self.n, self.old = n, torch.get_num_threads()
+
+    def __enter__(self):
+        if self.n:
+            torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.old)
+
+
+def bandwidth_sweep(sizes: Iterable[int], mode: str = "read", traffic_bytes: int = 64 * MiB, repeats: int = 5,
+                    threads: int | None = 1) -> list[dict]:
+    """GB/s streaming through a float32 working set of each size in ``sizes`` (bytes, increasing).
+
+    ``mode="read"``: one ``sum`` over the buffer seen ``traffic_bytes / size`` times through a
+    stride-0 view (``buf.expand(reps, n)``), so a 32 KiB buffer is read over and over from L1 within
+    one call, without a Python loop or a kernel launch per pass. ``mode="copy"``: ``dst.copy_(src)``
+    of the working set (half source, half destination) repeated in a Python loop; each call's
+    dispatch (about a microsecond) caps the small sizes. One thread by default (one core's view of
+    its caches). Rows: ``size_bytes``, ``gb_per_s`` (median), ``iqr_gb_per_s``, ``seconds``."""
+    sizes = _sizes(sizes)
+    if mode not in ("read", "copy"):
+        raise ValueError(f"mode={mode!r}: expected 'read' or 'copy'")
+    rows = []
+    with _threads(threads), torch.no_grad():
+        for size in sizes:
+            if mode == "read":
+                buf = torch.ones(max(1, size // 4))
+                reps = max(1, traffic_bytes // size)
+                view = buf.expand(reps, buf.numel())
+                timing = timeit(view.sum, repeats=repeats, number=1)
+                moved = reps * buf.numel() * 4
+            else:
+                src = torch.ones(max(1, size // 8))
+                dst = torch.empty_like(src)
+                reps = max(1, traffic_bytes // size)
+
+                def copies(src=src, dst=dst, reps=reps):
+                    for _ in range(reps):
+                        dst.copy_(src)
+
+                timing = timeit(copies, repeats=repeats, number=1)
+                moved = reps * src.numel() * 4 * 2
+            rates = [moved / t / 1e9 for t in timing.samples]
+            rows.append(dict(size_bytes=size, gb_per_s=moved / timing.median / 1e9, iqr_gb_per_s=_iqr(rates),
+                             seconds=timing.median))
+    return rows
+
+
+def random_cycle(n: int, seed: int = 0) -> np.ndarray:
+    """``next`` (int64, length ``n``) of one random cycle through all ``n`` slots: following
+    ``i = next[i]`` from any slot visits every slot once, in an order no prefetcher can guess."""
+    if not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"n={n!r}: expected a positive int")
+    order = np.random.default_rng(seed).permutation(n)
+    nxt = np.empty(n, dtype=np.int64)
+    nxt[order] = np.roll(order, -1)
+    return nxt
+
+
+def chase(table, steps: int, start: int = 0) -> int:
+    """Follow ``steps`` links of a pointer-chasing table: each load's address is the value the
+    previous load returned, so the CPU cannot start one before the last one finished."""
+    i = start
+    for _ in range(steps):
+        i = table[i]
+    return i
+
+
+def latency_sweep(sizes: Iterable[int], steps: int = 100_000, repeats: int = 7, seed: int = 0) -> list[dict]:
+    """Nanoseconds per step of a dependent chain (:func:`chase`) through a random cycle
+    (:func:`random_cycle`) of 8-byte slots filling a working set of each size in ``sizes`` (bytes).
+
+    Each sample continues the walk where the last one stopped, so in a cycle larger than all the
+    steps taken every load goes to a slot not visited before: its line is in no cache unless the
+    whole table fits there. The sizes are sampled in rounds (one sample of each per round), so that
+    a burst of load from another program hits all of them alike. The chain is followed by Python,
+    whose loop costs tens of nanoseconds per step on its own, more than an L1 or L2 hit: the
+    smallest size's time is that overhead plus an L1 hit, and ``extra_ns`` = time - the smallest
+    size's time is the latency the larger working sets add. Rows: ``size_bytes``, ``ns_per_step``
+    (median), ``iqr_ns``, ``extra_ns``."""
+    sizes = _sizes(sizes)
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps={steps!r}: expected a positive int")
+    runs = []
+    for size in sizes:
+        table = memoryview(random_cycle(max(2, size // 8), seed))
+        position = [0]
+
+        def walk(table=table, position=position):
+            position[0] = chase(table, steps, position[0])
+
+        run = _sampler(walk, (), {}, False, None)[0]
+        run(1)  # warm-up: the table's first touch, and the start of the walk
+        runs.append(run)
+    samples = [[] for _ in sizes]
+    for _ in range(repeats):  # one sample of every size per round: all sizes see the same load from other programs
+        for run, out in zip(runs, samples):
+            out.append(run(1) / steps * 1e9)
+    rows = [dict(size_bytes=size, ns_per_step=statistics.median(out), iqr_ns=_iqr(out)) for size, out in zip(sizes, samples)]
+    for row in rows:
+        row["extra_ns"] = row["ns_per_step"] - rows[0]["ns_per_step"]
+    return rows
+
+
+def stride_sweep(strides: Iterable[int], elements: int = 1 << 18, repeats: int = 5, threads: int | None = 1,
+                 line_bytes: int = 64) -> list[dict]:
+    """Sum ``elements`` float32 values read ``stride`` elements apart (``stride`` >= 2), from a buffer
+    of ``elements x max(strides)`` values.
+
+    Memory moves whole cache lines: below the line size a stride twice as long touches twice as many
+    lines for the same elements, so the time grows with the stride; from the line size on, every
+    element costs one line and the time levels off. Every stride runs the same strided loop over the
+    same number of elements, so the compute is the same and only the memory traffic changes. Rows:
+    ``stride``, ``stride_bytes``, ``seconds`` (median), ``ns_per_element``, ``bytes_touched`` (the
+    ``line_bytes`` lines under the elements: all of the span below the line size, one line each above)."""
+    strides = _sizes(strides, "strides")
+    if strides[0] < 2:
+        raise ValueError(f"strides={strides!r}: expected strides >= 2 (stride 1 runs a different, vectorized loop)")
+    _positive_ints(elements=elements, line_bytes=line_bytes)
+    buf = torch.ones(elements * strides[-1])
+    rows = []
+    with _threads(threads), torch.no_grad():
+        for stride in strides:
+            view = buf[: elements * stride : stride]
+            timing = timeit(view.sum, repeats=repeats, number=1)
+            rows.append(dict(stride=stride, stride_bytes=4 * stride, seconds=timing.median,
+                             ns_per_element=timing.median / elements * 1e9,
+                             bytes_touched=elements * min(line_bytes, 4 * stride)))
+    return rows
+
+
+def matmul_flops(sizes: Iterable[int], dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 repeats: int = 5, threads: int | None = None) -> list[dict]:
+    """GFLOP/s of an ``n x n @ n x n`` matmul for each ``n`` in ``sizes`` (2 n^3 FLOPs per call), at
+    torch's current thread count unless ``threads`` is given. Rows: ``n``, ``seconds`` (median), ``gflop_per_s``."""
+    sizes = _sizes(sizes)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    with _threads(threads), torch.no_grad():
+        for n in sizes:
+            a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+            b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
+            timing = timeit(torch.matmul, a, b, repeats=repeats)
+            rows.append(dict(n=n, seconds=timing.median, gflop_per_s=2 * n**3 / timing.median / 1e9))
+    return rows
+
+
+# ----------------------------------------------------------------------------- roofline
+@dataclasses.dataclass(frozen=True)
+class OpCost:
+    """FLOPs done and bytes moved between memory and the chip by one operator (ideal: each input
+    read once, each output written once)."""
+
+    flops: int
+    bytes: int
+
+    @property
+    def intensity(self) -> float:
+        """FLOPs per byte moved."""
+        return self.flops / self.bytes
+
+
+def element_size(dtype: torch.dtype) -> int:
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype: expected a torch.dtype such as torch.bfloat16, got {dtype!r}")
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def matmul_cost(m: int, k: int, n: int, dtype: torch.dtype) -> tuple[int, int]:
+    """``(flops, bytes)`` of ``[m, k] @ [k, n]``: a multiply and an add for each of the ``m n k``
+    products, and A, B read and C written once."""
+    _positive_ints(m=m, k=k, n=n)
+    return 2 * m * k * n, (m * k + k * n + m * n) * element_size(dtype)
+
+
+def add_cost(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, int]:
+    """``(flops, bytes)`` of ``x + y`` with ``x``, ``y`` and the output all of ``shape``: one FLOP per
+    element, two inputs read and one output written."""
+    numel = _numel(shape)
+    return numel, 3 * numel * element_size(dtype)
+
+
+def _positive_ints(**values) -> None:
+    for name, v in values.items():
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name}={v!r}: expected a positive int")
+
+
+def _numel(shape) -> int:
+    if not isinstance(shape, (tuple, list, torch.Size)) or not shape:
+        raise ValueError(f"shape={shape!r}: expected a non-empty tuple of positive ints")
+    _positive_ints(**{f"shape[{i}]": s for i, s in enumerate(shape)})
+    return math.prod(shape)
+
+
+# FLOPs per element of the row-wise ops, counted as the chapter does: RMSNorm squares, sums, scales by
+# 1/rms and by the weight (4) plus mean, +eps and rsqrt once per row (3); softmax takes the max,
+# subtracts it, exponentiates, sums and divides (5).
+RMSNORM_FLOPS_PER_ELEMENT, RMSNORM_FLOPS_PER_ROW, SOFTMAX_FLOPS_PER_ELEMENT = 4, 3, 5
+OPS = ("matmul", "add", "rmsnorm", "softmax", "attention_naive", "attention_flash")
+
+
+def arithmetic_intensity(op: str, shapes: tuple, dtype: torch.dtype = torch.float32) -> OpCost:
+    """FLOPs and bytes of one operator (:class:`OpCost`, ``.intensity`` in FLOP/byte).
+
+    - ``"matmul"``, shapes ``(m, k, n)``: :func:`matmul_cost`;
+    - ``"add"``, shapes = the tensor's shape: :func:`add_cost`;
+    - ``"rmsnorm"``, ``(rows, d)``: x read, weight read, y written;
+    - ``"softmax"``, ``(rows, d)`` along the last dim: x read, y written (one fused pass);
+    - ``"attention_naive"``, ``(batch, heads, seq, head_dim)``, no mask: ``S = QK^T`` written to
+      memory, read by the softmax, ``P`` written and read again by ``PV``;
+    - ``"attention_flash"``: the same FLOPs, but S and P stay on chip: Q, K, V read and O written once.
+    """
+    size = element_size(dtype)
+    if op == "matmul":
+        if len(shapes) != 3:
+            raise ValueError(f"shapes={shapes!r}: matmul takes (m, k, n)")
+        return OpCost(*matmul_cost(*shapes, dtype))
+    if op == "add":
+        return OpCost(*add_cost(tuple(shapes), dtype))
+    if op in ("rmsnorm", "softmax"):
+        if len(shapes) != 2:
+            raise ValueError(f"shapes={shapes!r}: {op} takes (rows, d)")
+        rows, d = shapes
+        numel = _numel((rows, d))
+        if op == "rmsnorm":
+            return OpCost(RMSNORM_FLOPS_PER_ELEMENT * numel + RMSNORM_FLOPS_PER_ROW * rows, (2 * numel + d) * size)
+        return OpCost(SOFTMAX_FLOPS_PER_ELEMENT * numel, 2 * numel * size)
+    if op in ("attention_naive", "attention_flash"):
+        if len(shapes) != 4:
+            raise ValueError(f"shapes={shapes!r}: {op} takes (batch, heads, seq, head_dim)")
+        b, h, s, d = shapes
+        _numel(shapes)
+        scores = b * h * s * s
+        qkvo = 4 * b * h * s * d
+        flops = 2 * 2 * scores * d + SOFTMAX_FLOPS_PER_ELEMENT * scores  # QK^T and PV, softmax
+        if op == "attention_naive":
+            return OpCost(flops, (qkvo + 4 * scores) * size)  # S written + read, P written + read
+        return OpCost(flops, qkvo * size)
+    raise ValueError(f"op={op!r}: expected one of {', '.join(OPS)}")
+
+
+def roofline_time(flops: float, bytes_moved: float, peak_flops: float, bandwidth: float) -> float:
+    """Predicted seconds of an operator on a roofline: compute and memory traffic overlap, so the
+    slower of the two, ``max(flops / peak_flops, bytes_moved / bandwidth)``, sets the time."""
+    for name, value in (("flops", flops), ("bytes_moved", bytes_moved)):
+        if not value >= 0:
+            raise ValueError(f"{name}={value!r}: expected a number >= 0")
+    for name, value in (("peak_flops", peak_flops), ("bandwidth", bandwidth)):
+        if not value > 0:
+            raise ValueError(f"{name}={value!r}: expected a positive number (FLOP/s, bytes/s)")
+    return max(flops / peak_flops, bytes_moved / bandwidth)
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """A machine as two ceilings: ``peak_flops`` (FLOP/s) and ``bandwidth`` (bytes/s)."""
+
+    name: str
+    peak_flops: float
+    bandwidth: float
+    source: str
+
+    def __post_init__(self):
+        if not (self.peak_flops > 0 and self.bandwidth > 0):
+            raise ValueError(f"Roofline {self.name!r}: peak_flops and bandwidth must be positive")
+
+    @property
+    def ridge(self) -> float:
+        """The intensity (FLOP/byte) where the two ceilings meet: below it an op is memory-bound."""
+        return self.peak_flops / self.bandwidth
+
+    def attainable(self, intensity: float) -> float:
+        """FLOP/s the roofline allows at ``intensity``: ``min(peak, intensity x bandwidth)``."""
+        return min(self.peak_flops, intensity * self.bandwidth)
+
+    def bound(self, cost: OpCost) -> str:
+        return "memory" if cost.intensity < self.ridge else "compute"
+
+    def predict_seconds(self, cost: OpCost) -> float:
+        return roofline_time(cost.flops, cost.bytes, self.peak_flops, self.bandwidth)
+
+    @classmethod
+    def datasheet(cls, gpu: str, dtype: torch.dtype = torch.bfloat16) -> "Roofline":
+        """The roofline of a GPU in :data:`GPU_DATASHEETS` for ``dtype``'s tensor-core peak."""
+        if gpu not in GPU_DATASHEETS:
+            raise ValueError(f"gpu={gpu!r}: expected one of {', '.join(GPU_DATASHEETS)}")
+        peaks = GPU_DATASHEETS[gpu]
+        key = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+               torch.float8_e4m3fn: "float8", torch.float8_e5m2: "float8"}.get(dtype)
+        if key not in peaks.tflops:
+            raise ValueError(f"dtype={dtype}: the {peaks.name} datasheet lists {', '.join(peaks.tflops)}")
+        return cls(f"{peaks.name} ({key})", peaks.tflops[key] * 1e12, peaks.bandwidth_tb_s * 1e12, peaks.source)
+
+    @classmethod
+    def measured(cls, name: str, flop_rows: list[dict], bandwidth_rows: list[dict]) -> "Roofline":
+        """From :func:`matmul_flops` and :func:`bandwidth_sweep` rows: the best matmul rate and the
+        bandwidth of the largest working set (memory, not a cache)."""
+        if not flop_rows or not bandwidth_rows:
+            raise ValueError("flop_rows, bandwidth_rows: expected the rows of matmul_flops and bandwidth_sweep")
+        peak = max(r["gflop_per_s"] for r in flop_rows) * 1e9
+        bandwidth = bandwidth_rows[-1]["gb_per_s"] * 1e9
+        return cls(name, peak, bandwidth, f"measured: best of matmul_flops, bandwidth_sweep at "
+                                          f"{format_bytes(bandwidth_rows[-1]['size_bytes'])}")
+
+
+# ----------------------------------------------------------------------------- profiling
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """The top ops of a profiled run (rows: ``name``, ``calls``, ``self_ms``, ``total_ms``,
+    ``shapes``), the profiler's own table as text, and the trace file if one was written."""
+
+    rows: list[dict]
+    table: str
+    trace_path: Path | None
+
+    def names(self) -> list[str]:
+        return [r["name"] for r in self.rows]
+
+
+def profile_step(fn: Callable, *args, steps: int = 3, warmup: int = 1, row_limit: int = 12,
+                 trace_path: str | Path | None = None, **kwargs) -> Profile:
+    """Run ``fn(*args, **kwargs)`` ``warmup`` times, then ``steps`` times under PyTorch's profiler
+    (CPU ops, and CUDA kernels when a GPU is present, with input shapes; each step marked as a
+    ``"step N"`` range), and return the ``row_limit`` ops with the most self time, summed over the
+    steps and grouped by name and input shapes. With ``trace_path`` the Chrome/Perfetto trace is
+    written there (open it at https://ui.perfetto.dev or chrome://tracing).
+
+    It uses ``torch.autograd.profiler.profile``, the engine under ``torch.profiler.profile``: the
+    latter's first use imports ``torch._inductor``, which takes seconds."""
+    from torch.autograd.profiler import profile, record_function
+
+    _positive_ints(steps=steps, row_limit=row_limit)
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup={warmup!r}: expected an int >= 0")
+    for _ in range(warmup):
+        fn(*args, **kwargs)
+    gpu = torch.cuda.is_available()
+    prof = profile(record_shapes=True, use_device="cuda" if gpu else None, use_kineto=gpu)
+    with _silent_stderr():
+        prof.__enter__()
+    try:
+        for step in range(steps):
+            with record_function(f"step {step}"):
+                fn(*args, **kwargs)
+        if gpu:
+            torch.cuda.synchronize()
+    finally:
+        with _silent_stderr():
+            prof.__exit__(None, None, None)
+    averages = prof.key_averages(group_by_input_shape=True)
+    ranked = sorted((e for e in averages if not e.key.startswith("step ")), key=lambda e: e.self_cpu_time_total, reverse=True)
+    rows = [dict(name=e.key, calls=e.count, self_ms=e.self_cpu_time_total / 1e3, total_ms=e.cpu_time_total / 1e3,
+                 shapes=str(e.input_shapes)) for e in ranked[:row_limit]]
+    table = averages.table(sort_by="self_cpu_time_total", row_limit=row_limit)
+    path = None
+    if trace_path is not None:
+        path = Path(trace_path)
+        prof.export_chrome_trace(str(path))
+    return Profile(rows, table, path)
+
+
+class _silent_stderr:
+    """Send the process's stderr (file descriptor 2) to /dev/null for the body: the profiler library
+    (kineto) prints two timestamped debug lines to it on every start and stop, which no setting turns off."""
+
+    def __enter__(self):
+        import sys
+
+        sys.stderr.flush()
+        self.saved = os.dup(2)
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+
+    def __exit__(self, *exc):
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+
+
+def trace_events(path: str | Path) -> list[dict]:
+    """The complete events (``"ph": "X"``) of a Chrome trace file: ``name``, ``ts`` and ``dur`` (µs)."""
+    import json
+
+    data = json.loads(Path(path).read_text())
+    return [e for e in data.get("traceEvents", []) if e.get("ph") == "X"]
+
+
+def profile_to_tempdir(fn: Callable, *args, **kwargs) -> tuple[Profile, list[dict]]:
+    """:func:`profile_step` with its trace written to a temporary directory that is deleted again:
+    returns the profile and the trace's events, read back before the file is removed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = profile_step(fn, *args, trace_path=Path(tmp) / "trace.json", **kwargs)
+        events = trace_events(result.trace_path)
+    return dataclasses.replace(result, trace_path=None), events
+
+
+# ----------------------------------------------------------------------------- the four kinds of slow
+def softmax_rows_loop(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim, one row at a time in Python: correct, and slow, because each row
+    costs several tiny op dispatches (the slow loop of the chapter's last exercise)."""
+    out = torch.empty_like(x)
+    for i in range(x.shape[0]):
+        row = x[i]
+        e = (row - row.max()).exp()
+        out[i] = e / e.sum()
+    return out
+
+
+def softmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim of a 2-D tensor, all rows in one pass of vectorized ops."""
+    e = (x - x.amax(dim=-1, keepdim=True)).exp()
+    return e / e.sum(dim=-1, keepdim=True)
+
+
+def gelu_unfused(x: torch.Tensor) -> torch.Tensor:
+    """GELU (tanh approximation) written as its formula: eight elementwise ops, each a full pass
+    over memory with its own temporary. ``torch.nn.functional.gelu(x, approximate="tanh")`` computes
+    the same in one pass."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
+
+
+class SlowSamples(torch.utils.data.Dataset):
+    """A dataset whose every sample costs ``wait_s`` seconds to fetch (a slow disk or network,
+    modelled by a sleep, which leaves the CPU free) and returns ``(features, target)``."""
+
+    def __init__(self, count: int, features: int, wait_s: float, seed: int = 0):
+        _positive_ints(count=count, features=features)
+        if not wait_s >= 0:
+            raise ValueError(f"wait_s={wait_s!r}: expected seconds >= 0")
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(count, features, generator=gen)
+        self.y = self.x.sum(dim=1, keepdim=True)
+        self.wait_s = wait_s
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int):
+        time.sleep(self.wait_s)
+        return self.x[index], self.y[index]
+
+
+class Prefetcher:
+    """``fn(item)`` for each of ``items``, computed ahead by ``workers`` background threads (at most
+    ``depth`` results waiting) and yielded in order: the consumer's work overlaps the loading of the
+    next items, and several slow loads overlap each other. ``DataLoader(num_workers=..., prefetch_factor=...)``
+    does this with worker processes, which Python-heavy preprocessing needs (it holds the GIL); threads
+    suffice when loading waits on I/O, which releases it."""
+
+    def __init__(self, fn: Callable, items: Iterable, workers: int = 2, depth: int | None = None):
+        if not callable(fn):
+            raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
+        _positive_ints(workers=workers)
+        depth = 2 * workers if depth is None else depth
+        _positive_ints(depth=depth)
+        self.fn, self.items, self.workers, self.depth = fn, items, workers, depth
+
+    def __iter__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(self.workers) as pool:
+            pending: collections.deque = collections.deque()
+            for item in self.items:
+                pending.append(pool.submit(self.fn, item))
+                if len(pending) >= self.depth:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+
+
+def load_batch(dataset, indices) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fetch ``dataset[i]`` for each of ``indices`` and stack them into a batch ``(x, y)``."""
+    samples = [dataset[i] for i in indices]
+    return torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])
+
+
+def train_epoch(model: torch.nn.Module, batches: Iterable, lr: float = 1e-2) -> float:
+    """One SGD pass over ``batches`` of ``(x, y)`` with a mean-squared-error loss; returns the last loss
+    (read once, at the end: a ``.item()`` per step would synchronize a GPU every step)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    loss = torch.zeros(())
+    for x, y in batches:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return float(loss.detach())

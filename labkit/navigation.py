@@ -1,0 +1,220 @@
+"""Finding your way through the chapters: a "where you are" line at the top of each, a "next" link at the end.
+
+``python -m labkit.navigation [NOTEBOOK ...]`` (default: every ``notebooks/NN_*.ipynb``) inserts or updates,
+in each chapter, a one-line markdown cell at the top (previous and next chapter, prerequisites, estimated
+time) and one at the end (the next chapter). Both cells are recognised by their cell id, so running the
+script again rewrites them in place and leaves a notebook that is already up to date byte for byte as it
+was. ``--check`` only reports which notebooks would change (exit status 1 if any); ``--table`` prints the
+README's chapter table (estimated time, and whether a chapter has kernels, widgets and distributed parts).
+
+What the line says is read off the notebooks themselves: the title is the first markdown heading, the
+estimated time follows from the amount of prose, code, widgets and exercises (:func:`estimated_minutes`),
+and a chapter's notebook metadata may override both the time and the prerequisites::
+
+    "metadata": {"labkit": {"minutes": 90, "prerequisites": ["00", "02"]}}
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from labkit.student import BEGIN, cell_source, chapter_paths
+
+TOP_ID, BOTTOM_ID = "labkit-where-you-are", "labkit-next-chapter"
+WIDGET_CELL = re.compile(r"^\s*# not compared: widget\s*$", re.MULTILINE)
+# A cell that runs Triton kernels (labkit.kernels) or distributed ranks (labkit.dist, torch.distributed).
+USES_KERNELS = re.compile(r"\bkernels\.\w+\(|from labkit\.kernels|import labkit\.kernels")
+USES_DISTRIBUTED = re.compile(r"\b(?:dist|dist_demos)\.\w+\(|torch\.distributed|from labkit\.dist")
+TITLE_PREFIX = re.compile(r"^(?:chapter\s+)?\d+\s*[—·:.-]\s*", re.IGNORECASE)
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+# The reading and working pace behind the estimate (a learner who reads the prose, runs and skims
+# every code cell, plays with each widget and solves each exercise).
+WORDS_PER_MINUTE = 150
+MINUTES_PER_CODE_CELL = 0.5
+MINUTES_PER_WIDGET = 3
+MINUTES_PER_EXERCISE = 10
+
+
+@dataclass(frozen=True)
+class Chapter:
+    """What the navigation line and the README table say about one chapter notebook."""
+
+    path: Path
+    number: str
+    title: str
+    minutes: int
+    prerequisites: tuple[str, ...]
+    widget_cells: tuple[int, ...]
+    exercises: int
+    kernels: bool
+    distributed: bool
+
+    @property
+    def label(self) -> str:
+        return f"{self.number} {self.title}"
+
+
+
+def widget_cells(notebook: dict) -> list[int]:
+    """Indices (into ``notebook["cells"]``) of the code cells that display a widget: the ones whose
+    output nbval skips with ``# not compared: widget``."""
+    return [i for i, cell in enumerate(notebook["cells"])
+            if cell["cell_type"] == "code" and WIDGET_CELL.search(cell_source(cell))]
+
+
+def estimated_minutes(notebook: dict) -> int:
+    """Minutes to work through ``notebook``, rounded up to 5: prose at :data:`WORDS_PER_MINUTE`, plus
+    fixed times per code cell, widget and exercise; the navigation cells themselves do not count."""
+    cells = [c for c in notebook["cells"] if c.get("id") not in (TOP_ID, BOTTOM_ID)]
+    words = sum(len(cell_source(c).split()) for c in cells if c["cell_type"] == "markdown")
+    code = [cell_source(c) for c in cells if c["cell_type"] == "code"]
+    minutes = (words / WORDS_PER_MINUTE + MINUTES_PER_CODE_CELL * len(code)
+               + MINUTES_PER_WIDGET * len(widget_cells(notebook))
+               + MINUTES_PER_EXERCISE * sum(source.count(BEGIN) for source in code))
+    return max(5, 5 * math.ceil(minutes / 5))
+
+
+def read_chapter(path: Path) -> Chapter:
+    """The :class:`Chapter` for notebook ``path`` (named ``NN_topic.ipynb``)."""
+    path = Path(path)
+    number = path.name[:2]
+    if not (number.isdigit() and path.name[2:3] == "_" and path.suffix == ".ipynb"):
+        raise ValueError(f"path={str(path)!r}: expected a chapter notebook named NN_topic.ipynb")
+    notebook = json.loads(path.read_text(encoding="utf-8"))
+    title = next((line.lstrip("#").strip() for c in notebook["cells"] if c["cell_type"] == "markdown"
+                  and c.get("id") != TOP_ID for line in cell_source(c).splitlines() if line.startswith("# ")), "")
+    title = TITLE_PREFIX.sub("", title) or path.stem[3:].replace("_", " ")
+    meta = notebook.get("metadata", {}).get("labkit", {})
+    previous = f"{int(number) - 1:02d}"
+    prerequisites = tuple(meta.get("prerequisites", [] if number == "00" else [previous]))
+    code = "\n".join(cell_source(c) for c in notebook["cells"] if c["cell_type"] == "code")
+    return Chapter(path=path, number=number, title=title,
+                   minutes=int(meta.get("minutes", estimated_minutes(notebook))),
+                   prerequisites=prerequisites, widget_cells=tuple(widget_cells(notebook)),
+                   exercises=code.count(BEGIN), kernels=bool(USES_KERNELS.search(code)),
+                   distributed=bool(USES_DISTRIBUTED.search(code)))
+
+
+def _link(chapter: Chapter) -> str:
+    return f"[{chapter.label}]({chapter.path.name})"
+
+
+def navigation_lines(chapters: list[Chapter], index: int) -> tuple[str, str]:
+    """The "where you are" line and the closing "next chapter" line of ``chapters[index]``."""
+    here = chapters[index]
+    by_number = {c.number: c for c in chapters}
+    previous = f"← {_link(chapters[index - 1])}" if index > 0 else "← [all chapters](../README.md#chapters)"
+    following = f"{_link(chapters[index + 1])} →" if index + 1 < len(chapters) else "last chapter"
+    prerequisites = ", ".join(_link(by_number[n]) if n in by_number else n for n in here.prerequisites) or "none"
+    top = (f"**Chapter {here.number} of {len(chapters)}** · {previous} · {following} · "
+           f"prerequisites: {prerequisites} · about {here.minutes} min")
+    if index + 1 < len(chapters):
+        bottom = f"**Next:** {_link(chapters[index + 1])} →"
+    else:
+        bottom = "**That was the last chapter.** Back to [all chapters](../README.md#chapters)."
+    return top, bottom
+
+
+def _markdown_cell(cell_id: str, text: str) -> dict:
+    return {"cell_type": "markdown", "id": cell_id, "metadata": {}, "source": [text]}
+
+
+def update_notebook(notebook: dict, top: str, bottom: str) -> dict:
+    """``notebook`` with its navigation cells set to ``top`` (first cell) and ``bottom`` (last cell)."""
+    cells = [c for c in notebook["cells"] if c.get("id") not in (TOP_ID, BOTTOM_ID)]
+    return {**notebook, "cells": [_markdown_cell(TOP_ID, top), *cells, _markdown_cell(BOTTOM_ID, bottom)]}
+
+
+def _dump(notebook: dict) -> str:
+    # Jupyter's own layout (nbformat.write: one-space indent, sorted keys), so a save in JupyterLab
+    # and a run of this script give the same file.
+    return json.dumps(notebook, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def update_chapters(paths: list[Path], write: bool = True) -> list[Path]:
+    """Insert or update the navigation cells of every chapter in ``paths`` (all chapters of a course, in
+    order); return the notebooks whose file changed (or would change, with ``write=False``)."""
+    paths = sorted(Path(p) for p in paths)
+    if not paths:
+        raise ValueError("paths: expected at least one chapter notebook")
+    chapters = [read_chapter(p) for p in paths]
+    changed = []
+    for index, chapter in enumerate(chapters):
+        text = chapter.path.read_text(encoding="utf-8")
+        notebook = json.loads(text)
+        if notebook.get("nbformat", 0) < 4 or (notebook["nbformat"] == 4 and notebook.get("nbformat_minor", 0) < 5):
+            raise ValueError(f"{chapter.path}: expected nbformat >= 4.5 (cell ids), got "
+                             f"{notebook.get('nbformat')}.{notebook.get('nbformat_minor')}")
+        new = _dump(update_notebook(notebook, *navigation_lines(chapters, index)))
+        if new != text:
+            changed.append(chapter.path)
+            if write:
+                chapter.path.write_text(new, encoding="utf-8")
+    return changed
+
+
+def links(notebook: dict) -> list[str]:
+    """The link targets of the navigation cells of ``notebook``."""
+    return [target for c in notebook["cells"] if c.get("id") in (TOP_ID, BOTTOM_ID)
+            for target in LINK.findall(cell_source(c))]
+
+
+def heading_anchor(heading: str) -> str:
+    """The anchor GitHub and JupyterLab give a markdown heading (``## Chapters`` → ``chapters``)."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def broken_links(path: Path) -> list[str]:
+    """Every navigation link of notebook ``path`` whose file (or ``#anchor`` heading) does not exist."""
+    path = Path(path)
+    broken = []
+    for target in links(json.loads(path.read_text(encoding="utf-8"))):
+        file, _, anchor = target.partition("#")
+        resolved = (path.parent / file).resolve()
+        if not resolved.is_file():
+            broken.append(f"{target}: no file {resolved}")
+        elif anchor:
+            text = resolved.read_text(encoding="utf-8")
+            if resolved.suffix == ".ipynb":
+                text = "\n".join(cell_source(c) for c in json.loads(text)["cells"] if c["cell_type"] == "markdown")
+            headings = {heading_anchor(line.lstrip("#")) for line in text.splitlines() if line.startswith("#")}
+            if anchor not in headings:
+                broken.append(f"{target}: no heading '#{anchor}' in {resolved.name}")
+    return broken
+
+
+def chapter_table(chapters: list[Chapter]) -> str:
+    """The README's chapter table: estimated time, and which chapters have kernels, widgets, distributed parts."""
+    rows = ["| # | chapter | time | kernels | widgets | distributed | exercises |", "|---|---|---|---|---|---|---|"]
+    for c in chapters:
+        rows.append(f"| {c.number} | [{c.title}](notebooks/{c.path.name}) | ~{c.minutes} min | "
+                    f"{'yes' if c.kernels else '—'} | {len(c.widget_cells) or '—'} | "
+                    f"{'yes' if c.distributed else '—'} | {c.exercises} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m labkit.navigation", description=__doc__.splitlines()[0])
+    parser.add_argument("notebooks", nargs="*", type=Path, help="the course's chapters (default: notebooks/NN_*.ipynb)")
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a notebook is out of date")
+    parser.add_argument("--table", action="store_true", help="print the README chapter table and change nothing")
+    args = parser.parse_args(argv)
+    paths = args.notebooks or chapter_paths(Path("notebooks"))
+    if not paths:
+        parser.error("no notebooks given and none found in notebooks/")
+    if args.table:
+        print(chapter_table([read_chapter(p) for p in sorted(paths)]))
+        return 0
+    changed = update_chapters(paths, write=not args.check)
+    for path in changed:
+        print(f"{path}: {'out of date' if args.check else 'updated'}")
+    return 1 if args.check and changed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,419 @@
+"""labkit.hardware: the machine report (canned sysfs/sysctl samples and this machine), timeit, the
+sweeps (loose bounds, never exact numbers), arithmetic intensity against hand-computed counts, the
+roofline, the profiler wrapper and the staged slow loops."""
+import labkit  # noqa: F401
+
+import json
+import math
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from labkit import hardware as H
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hardware"
+
+
+def read_from_dump(name: str):
+    """A ``read(path)`` over a ``grep -r .`` dump (``path:content`` per line; repeated paths are lines of one file)."""
+    files: dict[str, list[str]] = {}
+    for line in (FIXTURES / name).read_text().splitlines():
+        if line.startswith("#") or ":" not in line:
+            continue
+        path, content = line.split(":", 1)
+        files.setdefault(path, []).append(content)
+    return lambda path: "\n".join(files[path]) + "\n" if path in files else None
+
+
+# ----------------------------------------------------------------------------- machine report
+def test_threadripper_sample_gives_the_seeds_layout():
+    cpu = H.linux_cpu_report(read_from_dump("threadripper_7970x.sysfs.txt"))
+    assert cpu.model == "AMD Ryzen Threadripper 7970X 32-Cores"
+    assert (cpu.logical_cpus, cpu.physical_cores, cpu.threads_per_core, cpu.sockets, cpu.numa_nodes) == (64, 32, 2, 1, 1)
+    assert [c.name for c in cpu.caches] == ["L1d", "L1i", "L2", "L3"]
+    l1d, l2, l3 = cpu.cache("L1d"), cpu.cache("L2"), cpu.cache("L3")
+    assert (l1d.size_bytes, l1d.shared_by, l1d.instances) == (32 * 1024, 2, 32)  # per core (its two threads)
+    assert (l2.size_bytes, l2.shared_by, l2.instances) == (1 << 20, 2, 32)
+    assert (l3.size_bytes, l3.shared_by, l3.instances) == (32 << 20, 16, 4)  # per 8 cores = 16 threads
+    assert cpu.line_bytes == 64 and cpu.memory_bytes == 263612416 * 1024 and cpu.governor == "schedutil"
+    rows = {r["what"]: r["value"] for r in H.MachineReport(cpu, ()).rows()}
+    assert rows["L1d"] == "32 KiB per core (x32), 64-byte lines"
+    assert rows["L2"] == "1 MiB per core (x32), 64-byte lines"
+    assert rows["L3"] == "32 MiB per 8 cores (x4), 64-byte lines"
+    assert rows["cores"].startswith("32 physical, 64 logical (2 per core)") and rows["GPU"] == "none"
+
+
+def test_apple_silicon_sysctl_sample():
+    cpu = H.macos_cpu_report(H.parse_sysctl((FIXTURES / "apple_m2_sysctl.txt").read_text()))
+    assert cpu.model == "Apple M2" and cpu.source == "sysctl"
+    assert (cpu.logical_cpus, cpu.physical_cores, cpu.threads_per_core) == (8, 8, 1)
+    assert cpu.cache("L1d").size_bytes == 128 * 1024  # the performance cores' L1d
+    l2 = cpu.cache("L2")
+    assert (l2.size_bytes, l2.shared_by, l2.instances) == (16 << 20, 4, 1)
+    assert cpu.cache("L3") is None and cpu.line_bytes == 128 and cpu.memory_bytes == 16 << 30
+
+
+def test_intel_mac_sharing_comes_from_cacheconfig():
+    sysctl = {"hw.logicalcpu": "8", "hw.physicalcpu": "4", "hw.cachelinesize": "64", "hw.l1dcachesize": "32768",
+              "hw.l2cachesize": "262144", "hw.l3cachesize": "8388608", "hw.cacheconfig": "8 2 2 8 0 0 0 0 0 0",
+              "machdep.cpu.brand_string": "Intel(R) Core(TM) i7"}
+    cpu = H.macos_cpu_report(sysctl)
+    assert cpu.threads_per_core == 2
+    assert (cpu.cache("L2").shared_by, cpu.cache("L2").instances) == (2, 4)
+    assert (cpu.cache("L3").shared_by, cpu.cache("L3").instances) == (8, 1)
+    assert {r["what"]: r["value"] for r in H.MachineReport(cpu, ()).rows()}["L3"].startswith("8 MiB per 4 cores")
+
+
+def test_missing_files_give_unknowns_not_errors():
+    cpu = H.linux_cpu_report(lambda path: None)
+    assert cpu.caches == () and cpu.logical_cpus is None and cpu.line_bytes is None
+    assert any(r["value"] == "unknown" for r in H.MachineReport(cpu, ()).rows())
+
+
+def test_live_report_is_sane():
+    report = H.machine_report()
+    cpu = report.cpu
+    assert cpu.model
+    if cpu.source == "sysfs":
+        assert cpu.logical_cpus >= 1 and 1 <= cpu.physical_cores <= cpu.logical_cpus
+        l1d = cpu.cache("L1d")
+        if l1d is not None:
+            assert 4 * 1024 <= l1d.size_bytes <= 1 << 20 and cpu.line_bytes in (32, 64, 128, 256)
+            sizes = [c.size_bytes for c in cpu.caches if c.kind != "Instruction"]
+            assert sizes == sorted(sizes)  # each level larger than the one before
+    assert len(report.gpus) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    assert report.rows()[0]["what"] == "CPU"
+
+
+def test_datasheet_lookup_and_sizes():
+    assert H.datasheet_for("NVIDIA H200").name == "H200 SXM"
+    assert H.datasheet_for("NVIDIA H100 80GB HBM3").name == "H100 SXM"
+    assert H.datasheet_for("NVIDIA H100 PCIe") is None
+    assert H.datasheet_for("NVIDIA A100-SXM4-80GB").name.startswith("A100")
+    assert H.datasheet_for("NVIDIA GeForce RTX 4090").name == "RTX 4090"
+    assert H.datasheet_for("Quadro P1000") is None
+    for peaks in H.GPU_DATASHEETS.values():
+        assert peaks.source and peaks.tflops["bfloat16"] >= peaks.tflops["float32"]
+    assert H.format_bytes(32768) == "32 KiB" and H.format_bytes(1.5 * 2**20) == "1.5 MiB" and H.format_bytes(12) == "12 B"
+    assert H._parse_cpu_list("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
+    assert H._parse_size("32768K") == 32 << 20
+    with pytest.raises(ValueError):
+        H._parse_size("lots")
+
+
+# ----------------------------------------------------------------------------- timeit
+def test_timeit_returns_median_iqr_and_samples():
+    calls = []
+    timing = H.timeit(lambda x: calls.append(x) or x * 2, 21, repeats=5, number=3, warmup=2)
+    assert len(timing.samples) == 5 and timing.number == 3 and len(calls) == 2 + 5 * 3
+    assert timing.result == 42 and timing.min <= timing.median and timing.iqr >= 0 and not timing.cold
+    assert "median" in str(timing)
+
+
+def test_timeit_measures_a_known_duration():
+    timing = H.timeit(time.sleep, 0.005, repeats=3, number=1)
+    assert 0.004 < timing.median < 0.1
+
+
+def test_timeit_picks_enough_calls_per_sample():
+    timing = H.timeit(lambda: None, repeats=3, min_sample_s=0.005)
+    assert timing.number > 100  # a no-op costs well under 50 µs
+
+
+class FakeAsyncDevice:
+    """A CUDA-like device: a launch returns at once and the work runs in the background until synchronize()."""
+
+    def __init__(self, work_s: float):
+        self.work_s, self.pending, self.syncs = work_s, [], 0
+
+    def launch(self):
+        thread = threading.Thread(target=time.sleep, args=(self.work_s,))
+        thread.start()
+        self.pending.append(thread)
+
+    def synchronize(self):
+        self.syncs += 1
+        for thread in self.pending:
+            thread.join()
+        self.pending.clear()
+
+
+def test_timeit_synchronizes_asynchronous_work():
+    device = FakeAsyncDevice(0.02)
+    synced = H.timeit(device.launch, sync=device.synchronize, repeats=3, number=1)
+    assert synced.median >= 0.015 and synced.synchronized
+    assert device.syncs >= 2 * 3  # before and after every sample
+    device.synchronize()
+    unsynced = H.timeit(device.launch, sync=False, repeats=3, number=1)
+    device.synchronize()
+    assert unsynced.median < 0.01 and not unsynced.synchronized  # only the launches were timed
+
+
+def test_timeit_default_sync_uses_the_accelerator(monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: seen.append(1))
+    H.timeit(lambda: None, repeats=2, number=1)
+    assert len(seen) >= 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_timeit_on_gpu_includes_the_kernels():
+    a = torch.randn(4096, 4096, device="cuda")
+    synced = H.timeit(torch.matmul, a, a, repeats=3)
+    unsynced = H.timeit(torch.matmul, a, a, repeats=3, number=1, sync=False)
+    assert synced.median > 2 * 4096**3 / 200e12  # not faster than any GPU can be
+    assert unsynced.samples  # (launch time only; may be anything)
+
+
+def test_timeit_refuses_a_cold_first_call_unless_asked():
+    with pytest.raises(ValueError, match="first call"):
+        H.timeit(lambda: None, warmup=0)
+    calls = []
+    timing = H.timeit(lambda: calls.append(1), warmup=0, repeats=1, cold=True)
+    assert timing.cold and calls == [1] and timing.number == 1 and "first call" in str(timing)
+
+
+def test_timeit_setup_runs_before_each_sample_untimed():
+    log = []
+    timing = H.timeit(lambda: log.append("call"), setup=lambda: (log.append("setup"), time.sleep(0.01)), repeats=3)
+    assert log == ["setup", "call"] * 4 and timing.number == 1 and timing.median < 0.01
+
+
+@pytest.mark.parametrize("kwargs", [dict(repeats=0), dict(warmup=-1), dict(number=0), dict(repeats=2.5)])
+def test_timeit_rejects_bad_arguments(kwargs):
+    with pytest.raises(ValueError):
+        H.timeit(lambda: None, **kwargs)
+    with pytest.raises(TypeError):
+        H.timeit(3)
+
+
+def test_timeit_keeps_the_thread_count():
+    before = torch.get_num_threads()
+    H.timeit(torch.ones(100).sum, repeats=2)
+    assert torch.get_num_threads() == before
+
+
+def test_compare_interleaves_and_reports_the_paired_speedup():
+    order = []
+    slow = lambda: (order.append("slow"), time.sleep(0.004))  # noqa: E731
+    fast = lambda: order.append("fast")  # noqa: E731
+    pair = H.compare(slow, fast, repeats=4, min_sample_s=0.002)
+    assert len(pair.ratios) == 4 and pair.speedup > 5 and pair.baseline.median > 0.003
+    assert pair.speedup == sorted(pair.ratios)[1] / 2 + sorted(pair.ratios)[2] / 2
+    sampled = order[2:]  # after one warm-up call each
+    assert sampled.index("fast") < len(sampled) - 1 - sampled[::-1].index("slow")  # alternated, not one after the other
+    assert pair.candidate.number > pair.baseline.number
+    threads = []
+    before = torch.get_num_threads()
+    H.compare(lambda: threads.append(torch.get_num_threads()), lambda: None, repeats=1, threads=1)
+    assert set(threads) == {1} and torch.get_num_threads() == before
+    with pytest.raises(TypeError):
+        H.compare(slow, 3)
+    with pytest.raises(ValueError):
+        H.compare(slow, fast, repeats=0)
+
+
+# ----------------------------------------------------------------------------- sweeps
+def test_bandwidth_sweep_small_working_sets_stream_faster():
+    sizes = [16 << 10, 64 << 20]
+    rows = H.bandwidth_sweep(sizes, traffic_bytes=32 << 20, repeats=3)
+    assert [r["size_bytes"] for r in rows] == sizes
+    assert all(0.1 < r["gb_per_s"] < 5000 and r["iqr_gb_per_s"] >= 0 for r in rows)
+    assert rows[0]["gb_per_s"] > 1.5 * rows[1]["gb_per_s"]  # L1 against memory
+    copy = H.bandwidth_sweep([1 << 20], mode="copy", traffic_bytes=8 << 20, repeats=2)
+    assert 0.1 < copy[0]["gb_per_s"] < 5000
+    assert torch.get_num_threads() >= 1
+
+
+def test_latency_sweep_memory_is_slower_than_l1():
+    rows = H.latency_sweep([16 << 10, 64 << 20], steps=30_000, repeats=5)
+    assert rows[0]["extra_ns"] == 0 and 1 < rows[0]["ns_per_step"] < 2000
+    assert rows[1]["ns_per_step"] > 1.1 * rows[0]["ns_per_step"], rows
+
+
+def test_random_cycle_visits_every_slot_once():
+    nxt = H.random_cycle(1000, seed=3)
+    seen, i = set(), 0
+    for _ in range(1000):
+        seen.add(i)
+        i = int(nxt[i])
+    assert len(seen) == 1000 and i == 0
+    assert H.chase(memoryview(nxt), 1000) == 0 and H.chase([1, 0], 3) == 1
+    with pytest.raises(ValueError):
+        H.random_cycle(0)
+
+
+def test_stride_sweep_sees_the_cache_line():
+    rows = H.stride_sweep([2, 16], elements=1 << 17, repeats=3)
+    assert [r["stride_bytes"] for r in rows] == [8, 64]
+    assert [r["bytes_touched"] for r in rows] == [8 << 17, 64 << 17]
+    assert rows[1]["ns_per_element"] > 1.5 * rows[0]["ns_per_element"]
+    with pytest.raises(ValueError, match="stride"):
+        H.stride_sweep([1, 2])
+
+
+def test_matmul_flops_grow_with_size():
+    rows = H.matmul_flops([16, 256], repeats=3)
+    assert [r["n"] for r in rows] == [16, 256] and all(r["gflop_per_s"] > 0.01 for r in rows)
+    assert rows[1]["gflop_per_s"] > rows[0]["gflop_per_s"]  # a 16 x 16 matmul is all overhead
+
+
+@pytest.mark.parametrize("bad", [[], [0], [10, 5], [4, 4], [1.5]])
+def test_sweeps_reject_bad_sizes(bad):
+    with pytest.raises(ValueError):
+        H.bandwidth_sweep(bad)
+    with pytest.raises(ValueError):
+        H.latency_sweep(bad)
+    with pytest.raises(ValueError):
+        H.bandwidth_sweep([1024], mode="write")
+
+
+# ----------------------------------------------------------------------------- intensity and the roofline
+def test_arithmetic_intensity_matches_hand_counts():
+    mm = H.arithmetic_intensity("matmul", (64, 128, 32), torch.bfloat16)
+    assert (mm.flops, mm.bytes) == (2 * 64 * 128 * 32, 2 * (64 * 128 + 128 * 32 + 64 * 32))
+    add = H.arithmetic_intensity("add", (1000, 3), torch.float32)
+    assert (add.flops, add.bytes) == (3000, 36000) and add.intensity == 1 / 12
+    norm = H.arithmetic_intensity("rmsnorm", (8, 512), torch.float16)
+    assert (norm.flops, norm.bytes) == (4 * 8 * 512 + 3 * 8, 2 * (2 * 8 * 512 + 512))
+    soft = H.arithmetic_intensity("softmax", (8, 512), torch.float32)
+    assert (soft.flops, soft.bytes) == (5 * 8 * 512, 4 * 2 * 8 * 512)
+    b, h, s, d = 2, 4, 256, 64
+    naive, flash = (H.arithmetic_intensity(op, (b, h, s, d), torch.bfloat16) for op in ("attention_naive", "attention_flash"))
+    assert naive.flops == flash.flops == 4 * b * h * s * s * d + 5 * b * h * s * s
+    assert flash.bytes == 2 * 4 * b * h * s * d and naive.bytes == 2 * (4 * b * h * s * d + 4 * b * h * s * s)
+    assert flash.intensity > naive.intensity
+    assert H.matmul_cost(2, 3, 4, torch.float8_e4m3fn) == (48, 26) and H.add_cost((5,), torch.float64) == (5, 120)
+
+
+def test_square_matmul_intensity_is_n_over_3_elements():
+    for n in (64, 1024, 8192):
+        cost = H.arithmetic_intensity("matmul", (n, n, n), torch.float32)
+        assert math.isclose(cost.intensity, n / 6)  # 2n^3 / (3 n^2 x 4 bytes)
+
+
+@pytest.mark.parametrize("op, shapes", [("conv", (3,)), ("matmul", (3, 4)), ("add", ()), ("add", (0, 2)),
+                                        ("softmax", (3,)), ("attention_flash", (1, 2, 3)), ("matmul", (2, -1, 3))])
+def test_arithmetic_intensity_rejects_bad_input(op, shapes):
+    with pytest.raises(ValueError):
+        H.arithmetic_intensity(op, shapes)
+
+
+def test_dtype_must_be_a_torch_dtype():
+    with pytest.raises(TypeError, match="dtype"):
+        H.matmul_cost(2, 2, 2, "bf16")
+
+
+def test_roofline_predicts_and_classifies():
+    roof = H.Roofline("toy", peak_flops=100e12, bandwidth=2e12, source="made up")
+    assert roof.ridge == 50
+    assert roof.attainable(10) == 20e12 and roof.attainable(1000) == 100e12
+    small = H.arithmetic_intensity("add", (1 << 20,), torch.bfloat16)
+    big = H.arithmetic_intensity("matmul", (4096, 4096, 4096), torch.bfloat16)
+    assert roof.bound(small) == "memory" and roof.bound(big) == "compute"
+    assert roof.predict_seconds(small) == small.bytes / 2e12
+    assert roof.predict_seconds(big) == big.flops / 100e12
+    assert H.roofline_time(10, 10, 5, 2) == 5.0
+    with pytest.raises(ValueError):
+        H.roofline_time(-1, 1, 1, 1)
+    with pytest.raises(ValueError):
+        H.Roofline("bad", 0, 1, "")
+
+
+def test_datasheet_rooflines():
+    h100, h200 = H.Roofline.datasheet("H100 SXM"), H.Roofline.datasheet("H200")
+    assert h100.peak_flops == h200.peak_flops == 989.5e12  # the same chip
+    assert h200.bandwidth > h100.bandwidth and h200.ridge < h100.ridge
+    assert 200 < h100.ridge < 400  # ~295 FLOP/byte: a bf16 op needs ~300 FLOPs per byte to use the tensor cores
+    with pytest.raises(ValueError, match="lists"):
+        H.Roofline.datasheet("A100", torch.float8_e4m3fn)
+    with pytest.raises(ValueError):
+        H.Roofline.datasheet("TPU")
+
+
+def test_measured_roofline_takes_best_flops_and_memory_bandwidth():
+    roof = H.Roofline.measured("here", [dict(gflop_per_s=10.0), dict(gflop_per_s=30.0)],
+                               [dict(size_bytes=1024, gb_per_s=100.0), dict(size_bytes=1 << 30, gb_per_s=8.0)])
+    assert roof.peak_flops == 30e9 and roof.bandwidth == 8e9 and "1 GiB" in roof.source
+    with pytest.raises(ValueError):
+        H.Roofline.measured("here", [], [])
+
+
+# ----------------------------------------------------------------------------- profiling
+def test_profile_step_returns_the_ops_it_ran(tmp_path):
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+
+    def step():
+        return (a @ b).relu().sum()
+
+    result = H.profile_step(step, steps=2, trace_path=tmp_path / "trace.json")
+    names = result.names()
+    assert {"aten::mm", "aten::relu", "aten::sum"} <= set(names) or {"aten::matmul", "aten::relu", "aten::sum"} <= set(names)
+    mm = next(r for r in result.rows if r["name"] in ("aten::mm", "aten::matmul"))
+    assert mm["calls"] == 2 and "[64, 64]" in mm["shapes"] and mm["self_ms"] >= 0
+    assert "Self CPU" in result.table
+    events = H.trace_events(result.trace_path)
+    assert any(e["name"] == "aten::mm" for e in events) and any(e["name"] == "step 1" for e in events)
+    json.loads(result.trace_path.read_text())
+
+
+def test_profile_to_tempdir_leaves_no_file():
+    result, events = H.profile_to_tempdir(lambda: torch.ones(10).add(1), steps=1, warmup=0)
+    assert result.trace_path is None and any(e["name"] == "aten::add" for e in events)
+
+
+# ----------------------------------------------------------------------------- the slow loops
+def test_softmax_rows_loop_and_vectorized_agree_with_torch():
+    x = torch.randn(7, 5) * 30
+    assert torch.allclose(H.softmax_rows_loop(x), torch.softmax(x, -1), atol=1e-6)
+    assert torch.allclose(H.softmax_rows(x), torch.softmax(x, -1), atol=1e-6)
+
+
+def test_gelu_unfused_is_gelu_tanh():
+    x = torch.randn(1000)
+    assert torch.allclose(H.gelu_unfused(x), torch.nn.functional.gelu(x, approximate="tanh"), atol=1e-6)
+
+
+def test_prefetcher_keeps_order_overlaps_waits_and_forwards_errors():
+    data = H.SlowSamples(6, 3, wait_s=0.0)
+    assert len(data) == 6 and data[2][0].shape == (3,)
+    x, y = H.load_batch(data, [0, 2, 4])
+    assert torch.equal(x, data.x[[0, 2, 4]]) and torch.equal(y, data.y[[0, 2, 4]])
+    assert list(H.Prefetcher(lambda i: i * i, range(7), workers=3, depth=2)) == [i * i for i in range(7)]
+
+    def slow(i):
+        time.sleep(0.02)
+        return i
+
+    start = time.perf_counter()
+    assert list(H.Prefetcher(slow, range(8), workers=4)) == list(range(8))
+    assert time.perf_counter() - start < 0.12  # not 0.16: four loads at a time
+
+    def broken(i):
+        if i == 2:
+            raise KeyError("lost")
+        return i
+
+    with pytest.raises(KeyError):
+        list(H.Prefetcher(broken, range(4)))
+    with pytest.raises(ValueError):
+        H.Prefetcher(slow, [], workers=0)
+    with pytest.raises(TypeError):
+        H.Prefetcher(3, [])
+    with pytest.raises(ValueError):
+        H.SlowSamples(4, 2, wait_s=-1)
+
+
+def test_train_epoch_learns():
+    torch.manual_seed(0)
+    data = H.SlowSamples(64, 4, wait_s=0.0)
+    model = torch.nn.Linear(4, 1)
+    batches = [(data.x[i:i + 16], data.y[i:i + 16]) for i in range(0, 64, 16)]
+    first = H.train_epoch(model, batches, lr=0.1)
+    for _ in range(20):
+        last = H.train_epoch(model, batches, lr=0.1)
+    assert last < first / 10

@@ -1,0 +1,115 @@
+"""The chapters' "where you are" and "next chapter" lines, tried on copies of the chapters (never notebooks/)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labkit import navigation
+from labkit.navigation import BOTTOM_ID, TOP_ID, broken_links, read_chapter, update_chapters
+from labkit.student import chapter_paths
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAPTERS = chapter_paths(ROOT / "notebooks")
+
+
+@pytest.fixture
+def course(tmp_path) -> list[Path]:
+    """A copy of the course, README.md and notebooks/NN_*.ipynb, with the navigation lines taken out (so the tests
+    see them inserted, as on a chapter that never had them)."""
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    (tmp_path / "notebooks").mkdir()
+    copies = []
+    for path in CHAPTERS:
+        notebook = json.loads(path.read_text())
+        notebook["cells"] = [c for c in notebook["cells"] if c.get("id") not in (TOP_ID, BOTTOM_ID)]
+        copy = tmp_path / "notebooks" / path.name
+        copy.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")
+        copies.append(copy)
+    return copies
+
+
+def cells(path: Path) -> list[dict]:
+    return json.loads(path.read_text())["cells"]
+
+
+def test_every_chapter_gets_a_first_and_a_last_line_whose_links_resolve(course):
+    before = {p: [c for c in cells(p) if c["cell_type"] == "code"] for p in course}
+    assert update_chapters(course) == course
+    for index, path in enumerate(course):
+        nb = cells(path)
+        assert nb[0]["id"] == TOP_ID and nb[-1]["id"] == BOTTOM_ID
+        top, bottom = "".join(nb[0]["source"]), "".join(nb[-1]["source"])
+        assert "\n" not in top and f"Chapter {path.name[:2]} of {len(course)}" in top and " min" in top
+        if index > 0:
+            assert f"({course[index - 1].name})" in top
+        if index + 1 < len(course):
+            assert f"({course[index + 1].name}) →" in top and f"({course[index + 1].name})" in bottom
+        else:
+            assert "last chapter" in top and "README.md#chapters" in bottom
+        assert navigation.links(json.loads(path.read_text()))
+        assert broken_links(path) == [], path.name
+        assert [c for c in nb if c["cell_type"] == "code"] == before[path]  # code and outputs untouched
+        nbformat.validate(nbformat.read(path, as_version=4))
+
+
+def test_running_it_again_changes_nothing(course):
+    update_chapters(course)
+    texts = {p: p.read_text() for p in course}
+    assert update_chapters(course) == []
+    assert {p: p.read_text() for p in course} == texts
+
+
+def test_a_new_chapter_updates_its_neighbours_in_place(course, tmp_path):
+    update_chapters(course[:-1])
+    assert update_chapters(course, write=False)[-2:] == course[-2:]  # the old last one and the new one
+    update_chapters(course)
+    assert sum(c.get("id") == TOP_ID for c in cells(course[-2])) == 1
+    assert f"({course[-1].name})" in "".join(cells(course[-2])[-1]["source"])
+
+
+def test_a_broken_link_is_reported(course):
+    update_chapters(course)
+    course[1].unlink()
+    assert any(course[1].name in problem for problem in broken_links(course[0]))
+    (course[0].parent.parent / "README.md").write_text("# no chapter table here\n")
+    assert any("#chapters" in problem for problem in broken_links(course[0]))
+
+
+def test_the_cli_checks_updates_and_prints_the_table(course, capsys):
+    paths = [str(p) for p in course]
+    assert navigation.main(["--check", *paths]) == 1
+    assert navigation.main(paths) == 0
+    assert navigation.main(["--check", *paths]) == 0
+    capsys.readouterr()
+    assert navigation.main(["--table", *paths]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert len(table) == 2 + len(course) and table[0].startswith("| # | chapter | time |")
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_each_chapter_has_a_title_and_a_plausible_time(path):
+    chapter = read_chapter(path)
+    assert chapter.title and not chapter.title[0].isdigit()
+    assert 15 <= chapter.minutes <= 240 and chapter.exercises >= 2
+
+
+def test_metadata_overrides_the_estimate_and_the_prerequisites(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# 03 · Things")])
+    nb.metadata["labkit"] = {"minutes": 42, "prerequisites": ["00", "01"]}
+    path = tmp_path / "03_things.ipynb"
+    nbformat.write(nb, path)
+    chapter = read_chapter(path)
+    assert (chapter.title, chapter.minutes, chapter.prerequisites) == ("Things", 42, ("00", "01"))
+
+
+def test_a_file_that_is_not_a_chapter_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="NN_topic.ipynb"):
+        read_chapter(tmp_path / "notes.ipynb")
+
+
+def test_the_stored_chapters_carry_current_navigation_lines():
+    assert update_chapters(CHAPTERS, write=False) == [], "run `python -m labkit.navigation` after adding or renaming a chapter"
