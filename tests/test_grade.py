@@ -172,3 +172,31 @@ def test_a_grader_cell_deleted_is_put_back():
     restored, notes = grade.restore_graders(handed_out, reference)
     assert restored["cells"][-1]["source"] == "labkit.checks.softmax(softmax)"
     assert "deleted" in notes["check-softmax"]
+
+
+def test_channel_waits_are_sliced_so_a_missed_wake_up_costs_a_second():
+    import asyncio
+    import queue
+    import time
+
+    from labkit.grade import _sliced_waits
+
+    waits = []
+
+    async def get_msg(timeout=None):  # a channel whose message is there from the third poll on
+        waits.append(timeout)
+        if len(waits) < 3:
+            raise queue.Empty
+        return {"msg_type": "execute_reply"}
+
+    assert asyncio.run(_sliced_waits(get_msg, step_s=0.01)(timeout=None)) == {"msg_type": "execute_reply"}
+    assert waits == [0.01, 0.01, 0.01]
+
+    async def never(timeout=None):
+        await asyncio.sleep(timeout)
+        raise queue.Empty
+
+    start = time.monotonic()
+    with pytest.raises(queue.Empty):
+        asyncio.run(_sliced_waits(never, step_s=0.02)(timeout=0.1))
+    assert time.monotonic() - start < 1.0
