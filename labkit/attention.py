@@ -14,7 +14,7 @@ import torch
 from labkit.data import ArithmeticTask
 from labkit.hardware import timeit
 from labkit.memory import SavedTensorMeter
-from labkit.model import PRESETS, ModelConfig, TransformerLM, count_parameters, generate
+from labkit.model import PRESETS, ModelConfig, TransformerLM, config_from, count_parameters, generate
 # KVCache belongs to the model layer (labkit.nn, next to the attention that writes to it) so
 # that labkit.model.generate can use it without importing this chapter; re-exported here
 # because the chapter builds and reads it as attention.KVCache.
@@ -226,12 +226,7 @@ def kv_calculator(
     ``rope_head_dim``) caches one latent and one RoPE key per layer and token, with MLA's projections in place of
     the K/V ones; ``sliding_window`` keeps only the last that many tokens per sequence (a ring buffer);
     ``block_size`` allocates the cache in pages of that many tokens, rounding each sequence up to whole blocks."""
-    if isinstance(config, str):
-        if config not in PRESETS:
-            raise ValueError(f"config={config!r}: expected a ModelConfig or one of {sorted(PRESETS)}")
-        config = PRESETS[config]
-    if not isinstance(config, ModelConfig):
-        raise TypeError(f"config: expected a preset name or a ModelConfig, got {type(config).__name__}")
+    config = config_from(config, PRESETS)
     if not gpu_gb > 0:
         raise ValueError(f"gpu_gb={gpu_gb!r}: expected a positive number")
     for name, value in dict(batch_size=batch_size, seq_len=seq_len, sliding_window=sliding_window, block_size=block_size).items():

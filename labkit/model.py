@@ -257,6 +257,17 @@ def count_active_parameters(config: ModelConfig) -> int:
     return active_parameter_count(TransformerLM(config, device="meta"))
 
 
+
+def config_from(config, presets: dict[str, ModelConfig]) -> ModelConfig:
+    """``config`` itself if it is a :class:`ModelConfig`, else the entry of ``presets`` it names."""
+    if isinstance(config, str):
+        if config not in presets:
+            raise ValueError(f"config={config!r}: expected a ModelConfig or one of {sorted(presets)}")
+        return presets[config]
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config: expected a labkit.model.ModelConfig or a preset name, got {type(config).__name__}")
+    return config
+
 # Published mixture-of-experts architectures (Hugging Face config.json files), kept apart from
 # PRESETS (whose every entry chapter 03 tabulates as a dense model). DeepSeek-V3 is not here:
 # its MLA attention is not a TransformerLM option (labkit.moe counts it from its config; labkit.attention_variants

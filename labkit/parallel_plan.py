@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from labkit.memory import MemoryBreakdown, _dtype, activation_terms, model_state_bytes
-from labkit.model import PRESETS, ModelConfig
+from labkit.model import PRESETS, ModelConfig, config_from
 from labkit.parallel import bubble_fraction, collective_bytes_sent, split_layers
 
 GB = 1e9
@@ -203,12 +203,7 @@ def parallel_plan(config: ModelConfig | str, gpus: int, gpu_memory: float, inter
     DP), else on InfiniBand. Step time: compute at ``mfu`` of ``gpu_flops``, stretched by the
     bubble, plus all communication (no overlap: an upper bound).
     """
-    if isinstance(config, str):
-        if config not in PLAN_PRESETS:
-            raise ValueError(f"config={config!r}: expected a ModelConfig or one of {sorted(PLAN_PRESETS)}")
-        config = PLAN_PRESETS[config]
-    if not isinstance(config, ModelConfig):
-        raise TypeError(f"config: expected a labkit.model.ModelConfig or a preset name, got {type(config).__name__}")
+    config = config_from(config, PLAN_PRESETS)
     if isinstance(interconnect, str):
         if interconnect not in INTERCONNECTS:
             raise ValueError(f"interconnect={interconnect!r}: expected an Interconnect or one of {sorted(INTERCONNECTS)}")

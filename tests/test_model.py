@@ -121,3 +121,14 @@ def test_generate_errors():
 def test_tiny_config_overrides():
     cfg = tiny_config(15, norm="layernorm")
     assert cfg.vocab_size == 15 and cfg.norm == "layernorm"
+
+
+def test_config_from_takes_a_config_or_a_preset_name():
+    from labkit.model import PRESETS, config_from
+
+    assert config_from("qwen3-8b", PRESETS) is PRESETS["qwen3-8b"]
+    assert config_from(PRESETS["gemma-2b"], {}) is PRESETS["gemma-2b"]
+    with pytest.raises(ValueError, match="config='gpt-5'"):
+        config_from("gpt-5", PRESETS)
+    with pytest.raises(TypeError, match="ModelConfig"):
+        config_from(8, PRESETS)
