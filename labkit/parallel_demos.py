@@ -315,6 +315,44 @@ def pipeline_timing(rank: int, world_size: int, micro_batch_counts=(1, 2, 4, 8),
     return out
 
 
+def torch_pipelining(rank: int, world_size: int, micro_batches: int = 4, micro_batch: int = 2, seed: int = 0) -> dict:
+    """labkit's :func:`~labkit.parallel.run_pipeline` next to torch's own pipeline engine
+    (``torch.distributed.pipelining``: ``PipelineStage`` with ``ScheduleGPipe`` and
+    ``Schedule1F1B``) on copies of the same stage and batch: per schedule, the largest difference of
+    the last stage's loss and of this stage's gradients, and the norm of labkit's gradients. torch scales the gradients by 1/m
+    (``scale_grads``), as labkit divides each micro-batch's loss by m."""
+    from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    from labkit.train import cross_entropy
+
+    device = rank_device()
+    model, config = _pipeline_model(seed, {}, device)
+    x, y = _toy_batch(seed, micro_batches * micro_batch, config.context_length, config.vocab_size, device)
+    shape = (micro_batch, config.context_length, config.d_model)
+    out = {}
+    for schedule, torch_schedule in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
+        ours = PipelineStage(model, rank, world_size)
+        theirs = copy.deepcopy(ours)
+        run = run_pipeline(ours, schedule, _micro_batches(x, micro_batches) if ours.is_first else None,
+                           _micro_batches(y, micro_batches) if ours.is_last else None, micro_batches, shape)
+        engine = torch_schedule(TorchPipelineStage(theirs, rank, world_size, device), n_microbatches=micro_batches,
+                                loss_fn=cross_entropy)
+        losses = []
+        if rank == 0:
+            engine.step(x)
+        elif rank == world_size - 1:
+            engine.step(target=y, losses=losses)
+        else:
+            engine.step()
+        result = {"grad_diff": max(_max_diff(p.grad, q.grad) for p, q in zip(ours.parameters(), theirs.parameters())),
+                  "grad_norm": torch.stack([p.grad.norm() for p in ours.parameters()]).norm().item()}
+        if ours.is_last:
+            result["loss_diff"] = abs(run["loss"] - torch.stack(losses).mean().item())
+        out[schedule] = result
+    return out
+
+
 def ring_attention_check(rank: int, world_size: int, batch: int = 2, heads: int = 4, kv_heads: int = 2, seq: int = 16,
                          head_dim: int = 8, causal: bool = True, seed: int = 0) -> dict:
     """:func:`labkit.parallel.ring_attention` on this rank's sequence shard vs full attention
@@ -373,4 +411,4 @@ def several(rank: int, world_size: int, demos: dict[str, dict]) -> dict:
 
 
 _DEMOS = {f.__name__: f for f in (tensor_parallel_layers, tensor_parallel_training, torch_tensor_parallel, pipeline_training,
-                                  pipeline_timing, ring_attention_check, expert_parallel_traffic)}
+                                  pipeline_timing, torch_pipelining, ring_attention_check, expert_parallel_traffic)}

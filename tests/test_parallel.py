@@ -19,7 +19,7 @@ def two():
     return launch(parallel_demos.several, world_size=2, backend="gloo", timeout=300, quiet=True, demos={
         "tensor_parallel_layers": {}, "tensor_parallel_training": {"steps": 2}, "torch_tensor_parallel": {},
         "pipeline_training": {"micro_batches": 4}, "ring_attention_check": {}, "expert_parallel_traffic": {},
-        "pipeline_timing": {"micro_batch_counts": (1, 8)},
+        "pipeline_timing": {"micro_batch_counts": (1, 8)}, "torch_pipelining": {},
     })
 
 
@@ -27,7 +27,7 @@ def two():
 def four():
     return launch(parallel_demos.several, world_size=4, backend="gloo", timeout=300, quiet=True, demos={
         "tensor_parallel_layers": {}, "pipeline_training": {"micro_batches": 6, "micro_batch": 1, "steps": 1},
-        "ring_attention_check": {}, "torch_tensor_parallel": {},
+        "ring_attention_check": {}, "torch_tensor_parallel": {}, "torch_pipelining": {"micro_batches": 4, "micro_batch": 1},
     })
 
 
@@ -137,6 +137,21 @@ def test_measured_bubble_follows_the_formula(two):
         assert P.bubble_fraction(2, 1) - 0.02 <= bubbles[1] <= 1.0, (schedule, bubbles)
         assert bubbles[8] < bubbles[1], (schedule, bubbles)
     assert [e[:2] for e in events[("1f1b", 8)]] == P.one_f_one_b_schedule(2, 8, 0)
+
+
+@pytest.mark.parametrize("world", ["two", "four"])
+def test_pipeline_schedules_agree_with_torch_distributed_pipelining(request, world):
+    # torch's own engine (PipelineStage + ScheduleGPipe / Schedule1F1B) on a copy of each stage: the same
+    # loss and the same accumulated gradients, on every stage (the middle ones too with four ranks).
+    runs = _runs(request, world)
+    last = max(runs)
+    for rank in runs:
+        for schedule in ("gpipe", "1f1b"):
+            result = runs[rank]["torch_pipelining"][schedule]
+            assert result["grad_norm"] > 0, (rank, schedule)
+            assert result["grad_diff"] < 1e-6, (rank, schedule, result)
+    for schedule in ("gpipe", "1f1b"):
+        assert runs[last]["torch_pipelining"][schedule]["loss_diff"] < 1e-5
 
 
 def test_schedules_and_their_simulated_bubble():
