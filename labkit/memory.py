@@ -230,6 +230,10 @@ def activation_terms(config: ModelConfig, batch_size: int, seq_len: int, dtype="
         raise ValueError(f"attention={attention!r}: expected one of {ATTENTION}")
     if config.use_triton:
         raise ValueError("config.use_triton=True: the estimate follows the PyTorch path of labkit.nn; the Triton kernels save different tensors")
+    if config.moe is not None:
+        # A MoE layer saves its routed copies, the router's fp32 work and the routing indices instead of one FFN's
+        # activations: not counted here, and a dense count would be silently wrong.
+        raise ValueError("config.moe: activation_terms counts dense FFNs; mixture-of-experts layers are not modelled (expected moe=None)")
     p, f32, low = dt.itemsize, 4, dt != torch.float32
     n, d, heads, kv, hd, ff, vocab = batch_size * seq_len, config.d_model, config.num_heads, config.kv_heads, config.dim_per_head, config.d_ff, config.vocab_size
 

@@ -482,3 +482,9 @@ def test_allocator_diagram_draws_each_segment():
     plt.close(fig)
     with pytest.raises(ValueError, match="snapshots"):
         allocator_diagram({})
+
+
+def test_activation_terms_refuse_mixture_of_experts_configs():
+    from labkit.model import MOE_PRESETS
+    with pytest.raises(ValueError, match="config.moe"):
+        activation_terms(MOE_PRESETS["mixtral-8x7b"], 1, 128, "bf16")
