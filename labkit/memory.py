@@ -199,7 +199,7 @@ def attention_implementation(model: torch.nn.Module, attention: str):
 
 # ----------------------------------------------------------------------------- predicting activations
 def activation_terms(config: ModelConfig, batch_size: int, seq_len: int, dtype="fp32", activation_checkpointing: bool = False,
-                     *, attention: str = "materialized") -> dict[str, int]:
+                     *, attention: str = "materialized", first_layer: int = 0) -> dict[str, int]:
     """Bytes autograd saves in one forward pass of labkit's ``TransformerLM`` plus
     ``labkit.train.cross_entropy``, by where they come from, derived op by op from
     ``labkit/nn.py`` (the PyTorch path; ``use_triton=False``).
@@ -223,6 +223,19 @@ def activation_terms(config: ModelConfig, batch_size: int, seq_len: int, dtype="
     (``n*(heads + 2*kv_heads)*head_dim*p``) and no scores; the core of one layer is rebuilt
     during backward (``recompute_block``); ``"sdpa"`` keeps the same q, k, v plus its output
     (``n*heads*head_dim*p``) and a logsumexp per query row (``batch*heads*seq*4``).
+
+    A mixture-of-experts layer (``config.moe``, dropless, see :class:`labkit.experts.MoELayer`)
+    keeps, with ``k`` experts per token and ``R = n*k`` routed rows, instead of one FFN's
+    activations: the router's fp32 input (the norm output itself in fp32) and, below fp32, an fp32
+    copy of the router weight; the fp32 scores ``n*E*4``; the top-k indices and the dispatch
+    order (``n*k*8 + 2*R*8``); the gates (``R*4``, plus ``n*k*4 + n*4`` when renormalised);
+    the routed copies of the inputs ``R*d*p``; each expert's SwiGLU on its rows
+    (``5 R*d_ff_expert*p``); the experts' outputs in fp32 to be weighted by the gates
+    (``2 R*d*4``); the shared experts (one SwiGLU of ``shared*d_ff_expert`` on every token, and
+    its input below fp32); and the balancing losses' work (``E*4`` for the auxiliary loss,
+    ``n*E*4 + n*4`` for the z-loss, ``n*4`` for sigmoid scores). ``first_layer`` says which of the
+    model's layers ``config`` holds (a pipeline stage's: layers ``first_layer ...``), which sets
+    which of them are MoE layers.
     """
     _check_sizes(batch_size=batch_size, seq_len=seq_len)
     dt = _dtype(dtype, "dtype")
@@ -230,10 +243,13 @@ def activation_terms(config: ModelConfig, batch_size: int, seq_len: int, dtype="
         raise ValueError(f"attention={attention!r}: expected one of {ATTENTION}")
     if config.use_triton:
         raise ValueError("config.use_triton=True: the estimate follows the PyTorch path of labkit.nn; the Triton kernels save different tensors")
-    if config.moe is not None:
-        # A MoE layer saves its routed copies, the router's fp32 work and the routing indices instead of one FFN's
-        # activations: not counted here, and a dense count would be silently wrong.
-        raise ValueError("config.moe: activation_terms counts dense FFNs; mixture-of-experts layers are not modelled (expected moe=None)")
+    moe = config.moe
+    if moe is not None and (moe.capacity_factor is not None or moe.router_noise):
+        # dropped tokens make the routed rows data-dependent; the noise network saves its own fp32 work
+        raise ValueError("config.moe: activation_terms counts dropless MoE layers without router noise "
+                         f"(got capacity_factor={moe.capacity_factor}, router_noise={moe.router_noise})")
+    if isinstance(first_layer, bool) or not isinstance(first_layer, int) or first_layer < 0:
+        raise ValueError(f"first_layer={first_layer!r}: expected a non-negative integer")
     p, f32, low = dt.itemsize, 4, dt != torch.float32
     n, d, heads, kv, hd, ff, vocab = batch_size * seq_len, config.d_model, config.num_heads, config.kv_heads, config.dim_per_head, config.d_ff, config.vocab_size
 
@@ -270,14 +286,19 @@ def activation_terms(config: ModelConfig, batch_size: int, seq_len: int, dtype="
     else:
         attn["attn: q, k, v"] = unrepeated_qkv
         attn["attn: sdpa output, logsumexp"] = n * heads * hd * p + batch_size * heads * seq_len * f32
-    ffn = {"ffn: norm": norm(d, n), "ffn: w1/w3 input": n * d * p, "ffn: gate/up/act/product": gate_saves * n * ff * p}
-    block = {**attn, **ffn}
-    block_total = sum(block.values())
+    dense_ffn = {"ffn: norm": norm(d, n), "ffn: w1/w3 input": n * d * p, "ffn: gate/up/act/product": gate_saves * n * ff * p}
+    moe_layers = sum(config.is_moe_layer(first_layer + i) for i in range(config.num_layers))
+    blocks = [({**attn, **dense_ffn}, config.num_layers - moe_layers)]
+    if moe_layers:
+        blocks.append(({**attn, **_moe_ffn_terms(moe, n, d, moe.d_ff or ff, norm(d, n), p, gate_saves)}, moe_layers))
+    block_total = max(sum(block.values()) for block, count in blocks if count)
     terms = {"token ids": n * 8}
     if activation_checkpointing:
         terms["block inputs (checkpointed)"] = config.num_layers * n * d * p
     else:
-        terms.update({name: config.num_layers * value for name, value in block.items()})
+        for block, count in blocks:
+            for name, value in block.items():
+                terms[name] = terms.get(name, 0) + count * value
     terms["final norm"] = norm(d, n)
     terms["lm_head input"] = n * d * p
     # cross_entropy works in fp32: gather keeps the fp32 logits, exp() its result, log() the row sums.
@@ -286,6 +307,29 @@ def activation_terms(config: ModelConfig, batch_size: int, seq_len: int, dtype="
     # (its q, k, v are already held)
     core_rebuilt = sum(core.values()) - unrepeated_qkv if attention == "selective" else 0
     terms["recompute_block"] = block_total + core_rebuilt if activation_checkpointing else core_rebuilt
+    return terms
+
+
+def _moe_ffn_terms(moe, n: int, d: int, expert_ff: int, norm_bytes: int, p: int, gate_saves: int) -> dict[str, int]:
+    """What one dropless MoE FFN saves (see :func:`activation_terms`), by where it comes from."""
+    f32, routed, experts = 4, n * moe.top_k, moe.num_experts
+    low = p != f32
+    terms = {
+        "ffn: norm": norm_bytes,
+        "moe: router input (fp32), weight copy": n * d * f32 + (experts * d * f32 if low else 0),
+        "moe: router scores": n * experts * f32,
+        "moe: top-k indices, dispatch order": n * moe.top_k * 8 + 2 * routed * 8,
+        "moe: gates": routed * f32 + ((n * moe.top_k + n) * f32 if moe.normalize_gates else 0),
+        "moe: routed inputs": routed * d * p,
+        "moe: experts' gate/up/act/product": gate_saves * routed * expert_ff * p,
+        "moe: expert outputs (fp32, weighted)": 2 * routed * d * f32,
+    }
+    if moe.num_shared_experts:
+        terms["moe: shared experts"] = gate_saves * n * moe.num_shared_experts * expert_ff * p + (n * d * p if low else 0)
+    balancing = (experts * f32 if moe.aux_loss_weight else 0) + (n * experts * f32 + n * f32 if moe.z_loss_weight else 0)
+    balancing += n * f32 if moe.score == "sigmoid" else 0
+    if balancing:
+        terms["moe: balancing losses, sigmoid scores"] = balancing
     return terms
 
 

@@ -484,7 +484,46 @@ def test_allocator_diagram_draws_each_segment():
         allocator_diagram({})
 
 
-def test_activation_terms_refuse_mixture_of_experts_configs():
-    from labkit.model import MOE_PRESETS
-    with pytest.raises(ValueError, match="config.moe"):
-        activation_terms(MOE_PRESETS["mixtral-8x7b"], 1, 128, "bf16")
+
+MOE_CONFIGS = [  # every option activation_terms counts; layers 1 and 3 of 4 are MoE in the first
+    dict(num_experts=4, top_k=2, d_ff=24, every=2),
+    dict(num_experts=4, top_k=1, num_shared_experts=1, aux_loss_weight=0.0),
+    dict(num_experts=8, top_k=2, d_ff=16, num_shared_experts=2, first_dense=1, z_loss_weight=1e-3),
+    dict(num_experts=4, top_k=3, score="sigmoid", normalize_gates=False, bias_update_rate=1e-3),
+]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("moe", MOE_CONFIGS)
+def test_estimated_moe_activations_match_the_meter(moe, dtype, checkpointing):
+    from labkit.experts import MoEConfig
+
+    torch.manual_seed(0)
+    config = _config(num_layers=4, moe=MoEConfig(**moe))
+    model = TransformerLM(config, dtype=dtype)
+    x, y = torch.randint(0, config.vocab_size, (2, 3, 11))
+    est = estimate_training_memory(config, 3, 11, param_dtype=DTYPE_NAMES[dtype], activation_checkpointing=checkpointing)
+    assert est.activations == _metered(model, x, y, checkpointing=checkpointing)
+
+
+def test_moe_activations_of_a_pipeline_stage_follow_the_model_layers():
+    from dataclasses import replace
+
+    from labkit.experts import MoEConfig
+
+    config = _config(num_layers=4, moe=MoEConfig(num_experts=4, every=2))  # layers 1 and 3 are MoE
+    whole = activation_terms(config, 2, 8)
+    halves = [activation_terms(replace(config, num_layers=2), 2, 8, first_layer=first) for first in (0, 2)]
+    for name in ("moe: routed inputs", "ffn: gate/up/act/product"):
+        assert halves[0][name] + halves[1][name] == whole[name]
+    with pytest.raises(ValueError, match="first_layer"):
+        activation_terms(config, 2, 8, first_layer=-1)
+
+
+def test_activation_terms_refuse_moe_options_they_do_not_count():
+    from labkit.experts import MoEConfig
+
+    for option in ({"capacity_factor": 1.25}, {"router_noise": True}):
+        with pytest.raises(ValueError, match="config.moe"):
+            activation_terms(_config(moe=MoEConfig(num_experts=4, **option)), 1, 8)
