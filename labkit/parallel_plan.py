@@ -1,13 +1,17 @@
 """Choosing a 3-D layout (chapter 08): for a model and a cluster, the memory per GPU and the
 communication per step of every split into tensor (TP) × pipeline (PP) × context (CP) × data (DP)
-parallelism, flagging what does not fit, next to published layouts.
+parallelism, with the experts of a mixture-of-experts model split (EP) across the DP ranks,
+flagging what does not fit, next to published layouts.
 
 Memory is chapter 07's estimator applied to what one GPU holds: model state by
 :func:`labkit.memory.model_state_bytes` (ZeRO over the DP ranks) for this GPU's share of the
 parameters, activations by :func:`labkit.memory.activation_terms` for this GPU's slice of the
 model (its stage's layers, ``1/TP`` of the heads and of ``d_ff``, ``1/CP`` of the sequence), times
 the micro-batches its stage holds at once (1F1B: ``PP - stage``). With TP = PP = CP = 1 it is
-exactly :func:`labkit.memory.estimate_training_memory`. Communication counts the bytes each GPU
+exactly :func:`labkit.memory.estimate_training_memory`. Expert parallelism (Megatron-Core,
+DeepSpeed-MoE) gives each of ``EP`` ranks of a DP group ``1/EP`` of every MoE layer's routed experts;
+their optimizer state is sharded over the ``DP/EP`` ranks that hold the same experts (the
+expert-data-parallel group), and their gradients are all-reduced there. Communication counts the bytes each GPU
 sends per step with ring collectives (:func:`labkit.parallel.collective_bytes_sent`), and the time
 assumes no overlap with compute (an upper bound).
 """
@@ -17,7 +21,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from labkit.memory import MemoryBreakdown, _dtype, activation_terms, model_state_bytes
-from labkit.model import PRESETS, ModelConfig, config_from
+from labkit.model import MOE_PRESETS, PRESETS, ModelConfig, config_from
 from labkit.parallel import bubble_fraction, collective_bytes_sent, split_layers
 
 GB = 1e9
@@ -44,9 +48,11 @@ INTERCONNECTS = {
 GPU_MEMORY_GB = {"H100 SXM (80 GB)": 80, "H200 SXM (141 GB)": 141, "A100 (40 GB)": 40, "A100 (80 GB)": 80}
 H100_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak of an H100/H200 SXM
 
-# Llama 3 models (Hugging Face config.json): added here for the calculator, beside labkit.model.PRESETS.
+# Llama 3 models (Hugging Face config.json): added here for the calculator, beside labkit.model.PRESETS
+# and the mixture-of-experts presets.
 PLAN_PRESETS: dict[str, ModelConfig] = {
     **PRESETS,
+    **MOE_PRESETS,
     "llama3-70b": ModelConfig(vocab_size=128256, context_length=8192, d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8,
                               d_ff=28672, rope_theta=500_000.0),
     "llama3-405b": ModelConfig(vocab_size=128256, context_length=131072, d_model=16384, num_layers=126, num_heads=128,
@@ -67,8 +73,9 @@ PUBLISHED_LAYOUTS = [
 
 @dataclass
 class LayoutPlan:
-    """One TP × PP × CP × DP layout: the worst stage's memory per GPU, whether it fits, and the
-    bytes each GPU sends per step along each dimension (``comm_bytes``) with the time that takes
+    """One TP × PP × CP × DP layout (``ep``: how many of the DP ranks split the experts of a MoE
+    model): the worst stage's memory per GPU, whether it fits, and the bytes each GPU sends per
+    step along each dimension (``comm_bytes``; ``"ep"`` for MoE models) with the time that takes
     on its link (``comm_seconds``), the pipeline bubble, and a no-overlap step-time estimate."""
 
     tp: int
@@ -86,10 +93,12 @@ class LayoutPlan:
     compute_seconds: float
     step_seconds: float
     notes: list[str] = field(default_factory=list)
+    ep: int = 1
 
     @property
     def layout(self) -> str:
-        return f"TP{self.tp} x PP{self.pp} x CP{self.cp} x DP{self.dp}"
+        experts = f" (EP{self.ep})" if self.ep > 1 else ""
+        return f"TP{self.tp} x PP{self.pp} x CP{self.cp} x DP{self.dp}{experts}"
 
     def row(self) -> dict:
         """A flat dict for :func:`labkit.show.print_table`."""
@@ -108,26 +117,55 @@ def _local_kv_heads(config: ModelConfig, tp: int) -> int:
     return max(1, config.kv_heads // tp)
 
 
-def stage_parameters(config: ModelConfig, tp: int, num_layers: int, first: bool, last: bool) -> int:
-    """Parameters one GPU holds: ``num_layers`` blocks with ``1/tp`` of every weight matrix
-    (norms replicated), plus ``1/tp`` of the embedding on the first stage and of the LM head (and
-    the final norm) on the last (Megatron's vocabulary-parallel embedding and head)."""
+def stage_parameter_split(config: ModelConfig, tp: int, num_layers: int, first: bool, last: bool, *, first_layer: int = 0,
+                          ep: int = 1) -> tuple[int, int]:
+    """Parameters one GPU holds, as ``(replicated across EP, routed experts)``: the model's
+    layers ``first_layer ... first_layer + num_layers - 1`` with ``1/tp`` of every weight matrix
+    (norms and routers replicated), plus ``1/tp`` of the embedding on the first stage and of the
+    LM head (and the final norm) on the last (Megatron's vocabulary-parallel embedding and head);
+    of each MoE layer's routed experts it holds ``num_experts / ep``, each split by TP as a dense
+    FFN is (the shared experts too)."""
     d, hd, heads, ff = config.d_model, config.dim_per_head, config.num_heads // tp, config.d_ff // tp
     kv = _local_kv_heads(config, tp)
     attn = 2 * d * heads * hd + 2 * d * kv * hd + (2 * hd if config.qk_norm else 0)
-    block = 2 * _norm_params(config) + attn + 3 * d * ff
+    moe_layers = sum(config.is_moe_layer(first_layer + i) for i in range(num_layers))
+    dense = num_layers * (2 * _norm_params(config) + attn) + (num_layers - moe_layers) * 3 * d * ff
+    experts = 0
+    if moe_layers:
+        moe = config.moe
+        expert_ff = (moe.d_ff or config.d_ff) // tp
+        dense += moe_layers * (moe.num_experts * d * (2 if moe.router_noise else 1) + 3 * d * moe.num_shared_experts * expert_ff)
+        experts = moe_layers * (moe.num_experts // ep) * 3 * d * expert_ff
     vocab = math.ceil(config.vocab_size / tp) * d
-    total = num_layers * block
     if first:
-        total += vocab
+        dense += vocab
     if last:
-        total += _norm_params(config) + (0 if config.tie_embeddings and first else vocab)
-    return total
+        dense += _norm_params(config) + (0 if config.tie_embeddings and first else vocab)
+    return dense, experts
 
 
-def _check_layout(config: ModelConfig, tp: int, pp: int, cp: int, seq_len: int) -> None:
+def stage_parameters(config: ModelConfig, tp: int, num_layers: int, first: bool, last: bool, *, first_layer: int = 0,
+                     ep: int = 1) -> int:
+    """Parameters one GPU holds (see :func:`stage_parameter_split`)."""
+    return sum(stage_parameter_split(config, tp, num_layers, first, last, first_layer=first_layer, ep=ep))
+
+
+def _expert_ff(config: ModelConfig) -> int | None:
+    return None if config.moe is None else config.moe.d_ff or config.d_ff
+
+
+def _sum_breakdowns(a: MemoryBreakdown, b: MemoryBreakdown) -> MemoryBreakdown:
+    return MemoryBreakdown(**{name: a.as_dict()[name] + b.as_dict()[name] for name in a.as_dict() if name != "total"})
+
+
+def _check_layout(config: ModelConfig, tp: int, pp: int, cp: int, seq_len: int, ep: int = 1, dp: int = 1) -> None:
+    if config.moe is None and ep != 1:
+        raise ValueError(f"ep={ep}: expert parallelism needs a mixture-of-experts model (config.moe is None)")
     if config.moe is not None:
-        raise ValueError("config: mixture-of-experts models are not planned here (expert parallelism: chapter 04)")
+        if config.moe.num_experts % ep or dp % ep:
+            raise ValueError(f"ep={ep}: must divide num_experts={config.moe.num_experts} and dp={dp} (the experts are split across DP ranks)")
+        if _expert_ff(config) % tp:
+            raise ValueError(f"tp={tp}: must divide the experts' d_ff={_expert_ff(config)}")
     if config.num_heads % tp or (config.kv_heads % tp and tp % config.kv_heads):
         raise ValueError(f"tp={tp}: must divide num_heads={config.num_heads}, and divide or be a multiple of "
                          f"num_kv_heads={config.kv_heads}")
@@ -141,7 +179,7 @@ def _check_layout(config: ModelConfig, tp: int, pp: int, cp: int, seq_len: int) 
 
 def stage_memory(config: ModelConfig, tp: int, pp: int, cp: int, dp: int, stage: int, micro_batches: int, micro_batch: int,
                  seq_len: int, *, param_dtype="bf16", zero_stage: int = 1, activation_checkpointing: bool = False,
-                 sequence_parallel: bool = True, flash_attention: bool = True, schedule: str = "1f1b") -> MemoryBreakdown:
+                 sequence_parallel: bool = True, flash_attention: bool = True, schedule: str = "1f1b", ep: int = 1) -> MemoryBreakdown:
     """Memory of one GPU of pipeline stage ``stage`` (see the module docstring).
 
     Its slice of the model is a ``ModelConfig`` with this stage's layers, ``heads/tp`` heads,
@@ -151,22 +189,31 @@ def stage_memory(config: ModelConfig, tp: int, pp: int, cp: int, dp: int, stage:
     the sequence shard and all-gathers it again in backward), ``flash_attention`` counts a fused
     attention (chapter 07's ``attention="sdpa"``: its output and a log-sum-exp per row instead of
     the scores), and the stage holds ``min(pp - stage, m)``
-    micro-batches at once under 1F1B (``m`` under GPipe).
+    micro-batches at once under 1F1B (``m`` under GPipe). A MoE layer's activations are counted
+    for all the micro-batch's tokens on every TP rank (with balanced routing each GPU computes as
+    many routed rows as it sends away), not divided by sequence parallelism: an upper bound.
     """
-    _check_layout(config, tp, pp, cp, seq_len)
+    _check_layout(config, tp, pp, cp, seq_len, ep, dp)
     if schedule not in ("1f1b", "gpipe"):
         raise ValueError(f"schedule={schedule!r}: expected '1f1b' or 'gpipe'")
-    layers = split_layers(config.num_layers, pp)[stage]
+    counts = split_layers(config.num_layers, pp)
+    layers, first_layer = counts[stage], sum(counts[:stage])
     first, last = stage == 0, stage == pp - 1
     mixed = _dtype(param_dtype) != _dtype("fp32")
-    params = stage_parameters(config, tp, layers, first, last)
-    state = model_state_bytes(params, param_dtype, mixed_precision=mixed, zero_stage=zero_stage, world_size=dp)
+    dense, experts = stage_parameter_split(config, tp, layers, first, last, first_layer=first_layer, ep=ep)
+    if ep == 1:  # every DP rank holds every expert: one flat buffer, sharded over all of DP
+        state = model_state_bytes(dense + experts, param_dtype, mixed_precision=mixed, zero_stage=zero_stage, world_size=dp)
+    else:
+        state = _sum_breakdowns(model_state_bytes(dense, param_dtype, mixed_precision=mixed, zero_stage=zero_stage, world_size=dp),
+                                model_state_bytes(experts, param_dtype, mixed_precision=mixed, zero_stage=zero_stage,
+                                                  world_size=dp // ep))
     local = replace(config, num_layers=layers, num_heads=config.num_heads // tp, num_kv_heads=_local_kv_heads(config, tp),
                     head_dim=config.dim_per_head, d_ff=config.d_ff // tp, vocab_size=math.ceil(config.vocab_size / tp),
-                    context_length=max(config.context_length, seq_len))
+                    context_length=max(config.context_length, seq_len),
+                    moe=None if config.moe is None else replace(config.moe, d_ff=_expert_ff(config) // tp))
     tokens = seq_len // cp
     terms = activation_terms(local, micro_batch, tokens, param_dtype, activation_checkpointing,
-                             attention="sdpa" if flash_attention else "materialized")
+                             attention="sdpa" if flash_attention else "materialized", first_layer=first_layer)
     if sequence_parallel and tp > 1:
         for name in ("attn: norm", "ffn: norm", "attn: q/k/v input", "ffn: w1/w3 input", "block inputs (checkpointed)", "final norm"):
             if name in terms:
@@ -184,33 +231,37 @@ def stage_memory(config: ModelConfig, tp: int, pp: int, cp: int, dp: int, stage:
 
 
 def parallel_plan(config: ModelConfig | str, gpus: int, gpu_memory: float, interconnect: Interconnect | str = "nvlink+ib", *,
-                  seq_len: int = 4096, tokens_per_step: int = 4 * 2**20, micro_batch: int = 1, tp=None, pp=None, cp=(1,),
+                  seq_len: int = 4096, tokens_per_step: int = 4 * 2**20, micro_batch: int = 1, tp=None, pp=None, cp=(1,), ep=None,
                   param_dtype="bf16", zero_stage: int = 1, activation_checkpointing: bool = False, sequence_parallel: bool = True,
                   flash_attention: bool = True, schedule: str = "1f1b", gpu_flops: float = H100_BF16_FLOPS,
                   mfu: float = 0.4) -> list[LayoutPlan]:
     """Every layout ``TP × PP × CP × DP = gpus`` of ``config`` (a ``ModelConfig`` or a name in
     :data:`PLAN_PRESETS`) with ``tp`` in the powers of two that divide the heads (or the given
-    values), ``pp`` in the powers of two up to the layers, ``cp`` as given, and a whole number of
-    micro-batches per step (``tokens_per_step / (seq_len · micro_batch · dp)``).
+    values), ``pp`` in the powers of two up to the layers, ``cp`` as given, ``ep`` (MoE models) in
+    the powers of two that divide the experts and DP (or the given values; 1 for dense models), and
+    a whole number of micro-batches per step (``tokens_per_step / (seq_len · micro_batch · dp)``).
 
     Returns :class:`LayoutPlan`s, those that fit in ``gpu_memory`` GB first, each group by
     estimated step time. Memory: :func:`stage_memory` of the worst stage. Communication per GPU
     and step (bytes it sends): TP, 4 all-reduces per layer and micro-batch (6 with activation
     checkpointing, whose recomputed forward repeats them); CP, the ring attention's K/V blocks
     (``cp - 1`` forward, twice that backward); PP, one activation per micro-batch forward and one
-    gradient back; DP, the gradient all-reduce (ZeRO-3 adds the parameter all-gathers). Each
-    dimension's traffic runs on NVLink while its group fits in a node (TP innermost, then CP, PP,
-    DP), else on InfiniBand. Step time: compute at ``mfu`` of ``gpu_flops``, stretched by the
-    bubble, plus all communication (no overlap: an upper bound).
+    gradient back; EP, per MoE layer and micro-batch the all-to-alls that send the routed tokens
+    to their experts and back, in forward and again in backward (and in the recomputed forward
+    with activation checkpointing), each TP rank dispatching ``1/tp`` of the tokens
+    (Megatron-Core's all-to-all dispatcher); DP, the gradient all-reduce, of the routed experts
+    over the ``DP/EP`` ranks that hold the same ones (ZeRO-3 adds the parameter all-gathers). Each
+    dimension's traffic runs on NVLink while its group fits in a node (TP innermost, then CP, EP,
+    PP, DP), else on InfiniBand. Step time: compute (6 FLOPs per active parameter and token, 8
+    with recomputation) at ``mfu`` of ``gpu_flops``, stretched by the bubble, plus all
+    communication (no overlap: an upper bound).
     """
     config = config_from(config, PLAN_PRESETS)
     if isinstance(interconnect, str):
         if interconnect not in INTERCONNECTS:
             raise ValueError(f"interconnect={interconnect!r}: expected an Interconnect or one of {sorted(INTERCONNECTS)}")
         interconnect = INTERCONNECTS[interconnect]
-    for name, value in (("gpus", gpus), ("seq_len", seq_len), ("tokens_per_step", tokens_per_step), ("micro_batch", micro_batch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name}={value!r}: expected a positive integer")
+    _check_positive(gpus=gpus, seq_len=seq_len, tokens_per_step=tokens_per_step, micro_batch=micro_batch)
     if not gpu_memory > 0:
         raise ValueError(f"gpu_memory={gpu_memory!r}: expected GB per GPU, a positive number")
     if not 0 < mfu <= 1:
@@ -218,6 +269,9 @@ def parallel_plan(config: ModelConfig | str, gpus: int, gpu_memory: float, inter
     powers = [2**i for i in range(int(math.log2(gpus)) + 1)]
     tps = [t for t in (tp if tp is not None else powers) if _valid_tp(config, t)]
     pps = [p for p in (pp if pp is not None else powers) if p <= config.num_layers]
+    if config.moe is None and ep is not None and any(e != 1 for e in ep):
+        raise ValueError(f"ep={ep!r}: expert parallelism needs a mixture-of-experts model (config.moe is None)")
+    eps = [1] if config.moe is None else [e for e in (ep if ep is not None else powers) if config.moe.num_experts % e == 0]
     plans = []
     for t in tps:
         for p in pps:
@@ -228,47 +282,74 @@ def parallel_plan(config: ModelConfig | str, gpus: int, gpu_memory: float, inter
                 sequences = tokens_per_step // seq_len
                 if sequences % (d * micro_batch) or sequences == 0:
                     continue
-                plans.append(_plan(config, t, p, c, d, sequences // (d * micro_batch), gpu_memory, interconnect, seq_len,
-                                   micro_batch, param_dtype, zero_stage, activation_checkpointing, sequence_parallel,
-                                   flash_attention, schedule, gpu_flops, mfu, tokens_per_step))
+                for e in eps:
+                    if d % e:
+                        continue
+                    plans.append(_plan(config, t, p, c, d, sequences // (d * micro_batch), gpu_memory, interconnect, seq_len,
+                                       micro_batch, param_dtype, zero_stage, activation_checkpointing, sequence_parallel,
+                                       flash_attention, schedule, gpu_flops, mfu, tokens_per_step, e))
     return sorted(plans, key=lambda plan: (not plan.fits, plan.step_seconds))
 
 
 def _valid_tp(config: ModelConfig, tp: int) -> bool:
-    return config.num_heads % tp == 0 and config.d_ff % tp == 0 and (config.kv_heads % tp == 0 or tp % config.kv_heads == 0)
+    return (config.num_heads % tp == 0 and config.d_ff % tp == 0 and (config.kv_heads % tp == 0 or tp % config.kv_heads == 0)
+            and (config.moe is None or _expert_ff(config) % tp == 0))
 
 
 def _plan(config, tp, pp, cp, dp, m, gpu_memory, net: Interconnect, seq_len, micro_batch, param_dtype, zero_stage, checkpointing,
-          sequence_parallel, flash_attention, schedule, gpu_flops, mfu, tokens_per_step) -> LayoutPlan:
+          sequence_parallel, flash_attention, schedule, gpu_flops, mfu, tokens_per_step, ep=1) -> LayoutPlan:
     stages = [stage_memory(config, tp, pp, cp, dp, s, m, micro_batch, seq_len, param_dtype=param_dtype, zero_stage=zero_stage,
                            activation_checkpointing=checkpointing, sequence_parallel=sequence_parallel,
-                           flash_attention=flash_attention, schedule=schedule) for s in range(pp)]
+                           flash_attention=flash_attention, schedule=schedule, ep=ep) for s in range(pp)]
     worst = max(range(pp), key=lambda s: stages[s].total)
     p = _dtype(param_dtype).itemsize
-    layers = max(split_layers(config.num_layers, pp))
+    counts = split_layers(config.num_layers, pp)
+    layers = max(counts)
     activation = micro_batch * (seq_len // cp) * config.d_model * p
     passes = 6 if checkpointing else 4
     kv_block = 2 * micro_batch * _local_kv_heads(config, tp) * (seq_len // cp) * config.dim_per_head * p
-    params_here = max(stage_parameters(config, tp, n, s == 0, s == pp - 1) for s, n in enumerate(split_layers(config.num_layers, pp)))
+    splits = [stage_parameter_split(config, tp, n, s == 0, s == pp - 1, first_layer=sum(counts[:s]), ep=ep) for s, n in enumerate(counts)]
+    dense_here, experts_here = max(splits, key=sum)
     dp_factor = 3 if zero_stage == 3 else 2  # ZeRO-3 all-gathers the parameters in forward and again in backward
+    expert_dp = dp // ep
     comm = {
         "tp": passes * layers * m * collective_bytes_sent("all_reduce", activation, tp),
         "cp": 3 * (cp - 1) * kv_block * layers * m,
         "pp": (2 * m * activation if pp > 1 else 0),
-        "dp": dp_factor * (dp - 1) / dp * params_here * p,
+        "dp": dp_factor * ((dp - 1) / dp * dense_here + (expert_dp - 1) / expert_dp * experts_here) * p,
     }
-    nested = {"tp": tp, "cp": tp * cp, "pp": tp * cp * pp, "dp": tp * cp * pp * dp}
+    nested = {"tp": tp, "cp": tp * cp, "ep": tp * cp * ep, "pp": tp * cp * ep * pp, "dp": tp * cp * pp * dp}
+    if config.moe is not None:
+        moe_layers = max(sum(config.is_moe_layer(sum(counts[:s]) + i) for i in range(n)) for s, n in enumerate(counts))
+        comm["ep"] = passes * moe_layers * m * expert_parallel_comm(micro_batch * (seq_len // cp), config.moe.top_k, config.d_model,
+                                                                    ep, p, tp)
     links = {k: "NVLink" if nested[k] <= net.gpus_per_node else "InfiniBand" for k in comm}
     seconds = {k: comm[k] / (net.intra_node if links[k] == "NVLink" else net.inter_node) for k in comm}
-    total_params = stage_parameters(config, 1, config.num_layers, True, True)
-    flops = (8 if checkpointing else 6) * total_params * tokens_per_step / (tp * pp * cp * dp)
+    dense_total, experts_total = stage_parameter_split(config, 1, config.num_layers, True, True)
+    active = dense_total + (experts_total * config.moe.top_k // config.moe.num_experts if config.moe else 0)
+    flops = (8 if checkpointing else 6) * active * tokens_per_step / (tp * pp * cp * dp)
     compute = flops / (gpu_flops * mfu)
     bubble = bubble_fraction(pp, m)
     notes = []
     if tp > net.gpus_per_node:
         notes.append(f"TP={tp} spans nodes: its all-reduces cross InfiniBand")
     return LayoutPlan(tp, pp, cp, dp, m, stages[worst], worst, stages[worst].total <= gpu_memory * GB, comm, seconds, links, bubble,
-                      compute, compute / (1 - bubble) + sum(seconds.values()), notes)
+                      compute, compute / (1 - bubble) + sum(seconds.values()), notes, ep)
+
+
+def expert_parallel_comm(tokens: int, top_k: int, d_model: int, ep: int, bytes_per_element: int, tp: int = 1) -> float:
+    """Bytes one GPU sends in one all-to-all of a MoE layer (dispatch or combine) when its
+    ``tokens`` each go to ``top_k`` experts spread evenly over ``ep`` ranks: of its ``tokens · k``
+    routed rows of ``d_model`` elements, the ``(ep - 1)/ep`` that live elsewhere; with TP each
+    rank of a TP group dispatches ``1/tp`` of the tokens."""
+    _check_positive(tokens=tokens, top_k=top_k, d_model=d_model, ep=ep, bytes_per_element=bytes_per_element, tp=tp)
+    return collective_bytes_sent("all_to_all", tokens * top_k * d_model * bytes_per_element / tp, ep)
+
+
+def _check_positive(**values) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}={value!r}: expected a positive integer")
 
 
 def published_layout_plan(layout: dict, gpu_memory: float = 80, **assumptions) -> LayoutPlan:
@@ -277,7 +358,7 @@ def published_layout_plan(layout: dict, gpu_memory: float = 80, **assumptions) -
     :func:`parallel_plan`)."""
     plans = parallel_plan(layout["model"], layout["gpus"], gpu_memory, seq_len=layout["seq_len"],
                           tokens_per_step=layout["tokens_per_step"], tp=[layout["tp"]], pp=[layout["pp"]], cp=(layout["cp"],),
-                          **assumptions)
+                          ep=[layout.get("ep", 1)], **assumptions)
     if len(plans) != 1 or plans[0].dp != layout["dp"]:
         raise ValueError(f"layout: {layout} is not a whole-numbered layout of its GPUs")
     return plans[0]

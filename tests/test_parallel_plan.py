@@ -5,7 +5,7 @@ import pytest
 import labkit  # noqa: F401
 from labkit import parallel_plan as PP
 from labkit.memory import estimate_training_memory
-from labkit.model import PRESETS, count_parameters
+from labkit.model import MOE_PRESETS, PRESETS, TransformerLM, count_parameters
 from labkit.parallel import bubble_fraction, tp_comm_bytes
 
 
@@ -90,9 +90,14 @@ def test_validation():
         PP.stage_memory(PRESETS["qwen3-8b"], 3, 1, 1, 1, 0, 1, 1, 1024)
     with pytest.raises(ValueError, match="schedule"):
         PP.stage_memory(PRESETS["qwen3-8b"], 1, 1, 1, 1, 0, 1, 1, 1024, schedule="zb")
-    with pytest.raises(ValueError, match="mixture"):
-        PP.parallel_plan(PP.PLAN_PRESETS["qwen3-8b"].__class__(**{**PRESETS["qwen3-8b"].__dict__,
-                                                                   "moe": {"num_experts": 4, "top_k": 1}}), 8, 80)
+    with pytest.raises(ValueError, match="ep=.*mixture-of-experts"):
+        PP.parallel_plan("qwen3-8b", 8, 80, ep=[2])
+    with pytest.raises(ValueError, match="ep=3"):
+        PP.stage_memory(MOE_PRESETS["mixtral-8x7b"], 1, 1, 1, 6, 0, 1, 1, 1024, ep=3)
+    with pytest.raises(ValueError, match="ep=4"):  # 4 does not divide dp=2
+        PP.stage_memory(MOE_PRESETS["mixtral-8x7b"], 1, 1, 1, 2, 0, 1, 1, 1024, ep=4)
+    with pytest.raises(ValueError, match="tokens"):
+        PP.expert_parallel_comm(0, 2, 64, 2, 2)
 
 
 def test_strategy_memory_shows_why_to_split():
@@ -100,3 +105,47 @@ def test_strategy_memory_shows_why_to_split():
     totals = {k: v.total for k, v in memory.items()}
     assert totals["DDP"] > totals["ZeRO-1"] > totals["ZeRO-3"]
     assert totals["TP8"] < totals["ZeRO-1"] and totals["TP8 x PP8"] < totals["TP8"]
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+@pytest.mark.parametrize("name", sorted(MOE_PRESETS))
+@pytest.mark.parametrize("zero, checkpointing", [(0, False), (1, True), (3, False)])
+def test_moe_model_on_one_gpu_per_replica_is_chapter_07s_estimate(name, zero, checkpointing):
+    config = MOE_PRESETS[name]
+    plan = PP.parallel_plan(config, 8, 80, tp=[1], pp=[1], ep=[1], seq_len=2048, tokens_per_step=8 * 2048, zero_stage=zero,
+                            activation_checkpointing=checkpointing, flash_attention=False)[0]
+    expected = estimate_training_memory(config, 1, 2048, param_dtype="bf16", mixed_precision=True, zero_stage=zero,
+                                        world_size=8, activation_checkpointing=checkpointing)
+    assert plan.memory.as_dict() == expected.as_dict()
+    assert "ep" in plan.comm_bytes and plan.comm_bytes["ep"] == 0
+
+
+@pytest.mark.parametrize("name", sorted(MOE_PRESETS))
+def test_moe_parameters_add_up_and_experts_split_across_ep(name):
+    config = MOE_PRESETS[name]
+    total = TransformerLM(config, device="meta").num_params()  # the model itself, not the formula
+    assert count_parameters(config) == total
+    for pp in (1, 2, 4):
+        layers = PP.split_layers(config.num_layers, pp)
+        starts = [sum(layers[:s]) for s in range(pp)]
+        assert sum(PP.stage_parameters(config, 1, n, s == 0, s == pp - 1, first_layer=starts[s]) for s, n in enumerate(layers)) == total
+    dense, experts = PP.stage_parameter_split(config, 1, config.num_layers, True, True)
+    for ep in (2, 8):
+        dense_ep, experts_ep = PP.stage_parameter_split(config, 1, config.num_layers, True, True, ep=ep)
+        assert dense_ep == dense and experts_ep * ep == experts
+
+
+def test_expert_parallelism_trades_memory_for_all_to_all_traffic():
+    config = MOE_PRESETS["mixtral-8x7b"]
+    plans = {e: PP.parallel_plan(config, 64, 80, tp=[1], pp=[2], ep=[e], seq_len=4096, tokens_per_step=2**20,
+                                 activation_checkpointing=True)[0] for e in (1, 2, 8)}
+    assert plans[1].memory.model_state > plans[2].memory.model_state > plans[8].memory.model_state
+    assert plans[1].comm_bytes["ep"] == 0 < plans[2].comm_bytes["ep"] < plans[8].comm_bytes["ep"]
+    assert plans[8].layout == "TP1 x PP2 x CP1 x DP32 (EP8)"
+    moe_layers = 16  # of the 32 on each of two stages: every layer is MoE
+    expected = 6 * moe_layers * plans[8].micro_batches * (7 / 8) * 4096 * 2 * config.d_model * 2  # k = 2 rows per token, bf16
+    assert plans[8].comm_bytes["ep"] == pytest.approx(expected)
+    assert plans[8].links["ep"] == "NVLink" and PP.parallel_plan(config, 64, 80, tp=[2], pp=[1], ep=[8], seq_len=4096,
+                                                                 tokens_per_step=2**20)[0].links["ep"] == "InfiniBand"
+    dense = PP.parallel_plan("qwen3-8b", 64, 80, tp=[1], pp=[2], seq_len=4096, tokens_per_step=2**20)[0]
+    assert "ep" not in dense.comm_bytes and "(EP" not in dense.layout

@@ -26,6 +26,12 @@ def test_explorer_draws_the_best_layouts_and_returns_all():
     assert "layouts fit" in fig.axes[0].get_title()
 
 
+def test_explorer_plans_mixture_of_experts_models_with_expert_parallelism():
+    fig, plans = W.layout_explorer("mixtral-8x7b", 16, "H100 SXM (80 GB)", seq_len=4096, shown=3)
+    assert {p.ep for p in plans} == {1, 2, 4, 8}  # every EP that divides the 8 experts and DP
+    assert all("ep" in p.comm_bytes for p in plans)
+
+
 @pytest.mark.parametrize("kwargs,match", [({"model": "gpt5"}, "model"), ({"gpus": 12}, "power of two"),
                                           ({"gpu": "TPU"}, "gpu"), ({"shown": 0}, "shown")])
 def test_explorer_validates(kwargs, match):

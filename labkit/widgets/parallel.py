@@ -1,5 +1,5 @@
 """Chapter 08's 3-D layout calculator: a model, a cluster and a few training choices -> every
-TP × PP × CP × DP layout's memory per GPU (stacked bars, the GPU's memory as a line) and its
+TP × PP × CP × DP layout's (× EP for mixture-of-experts models) memory per GPU (stacked bars, the GPU's memory as a line) and its
 communication, fastest fitting layouts first. The widget only wires controls to
 :func:`layout_explorer`, a plain function."""
 from __future__ import annotations
