@@ -87,10 +87,7 @@ unit: $(VENV)/.installed-test
 ## Re-execute notebooks in place on the CPU to refresh their stored outputs (NB=notebooks/00_foundations.ipynb for one).
 NB ?= notebooks/[0-9]*.ipynb
 notebooks: $(VENV)/.installed-test
-	for nb in $(NB); do \
-		LABKIT_DEVICE=cpu OMP_NUM_THREADS=1 $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
-			--ExecutePreprocessor.timeout=300 "$$nb" || exit 1; \
-	done
+	LABKIT_DEVICE=cpu OMP_NUM_THREADS=1 $(BIN)/python -m labkit.execute --timeout 300 $(NB)
 
 ## Student versions for a class: solutions removed, outputs cleared, written to student/.
 student: $(VENV)/.installed-lab

@@ -4,10 +4,14 @@
 NCCL on GPUs: the same code either way) and runs ``fn(rank, world_size, **kwargs)`` in each.
 On top of the collectives this module builds, from scratch: a ring all-reduce out of
 point-to-point sends (:func:`ring_all_reduce`), data parallelism that all-reduces gradients
-one parameter at a time (:class:`DDPIndividual`) or in buckets (:class:`DDPBucketed`), and a
-ZeRO-1 optimizer that shards optimizer state (:class:`ShardedOptimizer`). The per-rank
-functions the notebook runs live in :mod:`labkit.dist_demos` (a process can only be handed a
-function it can import, never one defined in a notebook).
+one parameter at a time (:class:`DDPIndividual`) or in buckets (:class:`DDPBucketed`), and
+ZeRO-1, which shards optimizer state: the paper's version (:class:`ShardedOptimizer`:
+reduce-scatter the gradients, step on this rank's shard, all-gather the parameters) and, for
+comparison, a simpler one that needs DDP's all-reduce first and broadcasts each parameter from
+the rank that owns it (:class:`ShardedOptimizerBroadcast`). :class:`CommMeter` counts the calls and
+bytes each rank hands to ``torch.distributed`` (chapter 08 uses it too). The per-rank functions the notebook
+runs live in :mod:`labkit.dist_demos` (a process can only be handed a function it can import,
+never one defined in a notebook).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -332,6 +337,113 @@ def _to_cpu(value):
     return value
 
 
+# ----------------------------------------------------------------------------- the communication meter
+def collective_bytes_sent(op: str, nbytes: float, world_size: int) -> float:
+    """Bytes one rank sends when ``op`` runs with the ring algorithms NCCL uses, for a call
+    whose tensor argument is ``nbytes`` (all-reduce, broadcast, reduce-scatter: the full tensor;
+    all-gather: this rank's contribution; send: the message).
+
+    all-reduce ``2(N-1)/N · nbytes`` (reduce-scatter then all-gather), reduce-scatter
+    ``(N-1)/N · nbytes``, all-gather ``(N-1) · nbytes`` (each rank's piece goes to N-1 others),
+    send ``nbytes``, recv 0.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: expected a positive integer")
+    if nbytes < 0:
+        raise ValueError(f"nbytes={nbytes!r}: expected >= 0")
+    n = world_size
+    factors = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": n - 1,
+               "broadcast": (n - 1) / n, "all_to_all": (n - 1) / n, "send": 1.0, "recv": 0.0}
+    if op not in factors:
+        raise ValueError(f"op={op!r}: expected one of {sorted(factors)}")
+    return factors[op] * nbytes
+
+
+def _nbytes(t) -> int:
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return t.numel() * t.element_size()
+
+
+# op name -> (kind for collective_bytes_sent, position and keyword of the tensor argument that sizes the call)
+_METERED = {
+    "all_reduce": ("all_reduce", 0, "tensor"),
+    "broadcast": ("broadcast", 0, "tensor"),
+    "all_gather": ("all_gather", 1, "tensor"),
+    "all_gather_into_tensor": ("all_gather", 1, "input_tensor"),
+    "all_gather_single": ("all_gather", 1, "input_tensor"),  # all_gather_into_tensor's new name (torch 2.13)
+    "reduce_scatter": ("reduce_scatter", 1, "input_list"),
+    "reduce_scatter_tensor": ("reduce_scatter", 1, "input"),
+    "reduce_scatter_single": ("reduce_scatter", 1, "input"),  # reduce_scatter_tensor's new name (torch 2.13)
+    "all_to_all_single": ("all_to_all", 1, "input"),
+    "send": ("send", 0, "tensor"),
+    "isend": ("send", 0, "tensor"),
+    "recv": ("recv", 0, "tensor"),
+    "irecv": ("recv", 0, "tensor"),
+}
+
+
+class CommMeter:
+    """Count what this rank hands to ``torch.distributed`` while the block runs.
+
+    ``with CommMeter() as meter: ...`` replaces ``torch.distributed.all_reduce``, ``all_gather``,
+    ``reduce_scatter``, ``broadcast``, ``all_to_all_single``, ``send``/``isend``/``recv``/``irecv``
+    (and the ``*_tensor``/``*_single`` variants) by wrappers that log each call, then restores them. Per op
+    name (``isend`` counts as ``send``, ``all_gather_into_tensor`` as ``all_gather``, ...):
+    ``calls[op]``, ``bytes[op]`` (the size of the tensor argument: see
+    :func:`collective_bytes_sent`) and ``sent[op]`` (what the ring algorithm makes this rank send).
+    ``events`` lists ``(op, bytes)`` in call order. Code that calls the collectives through
+    ``torch.distributed`` (labkit's, chapter 04's expert parallelism) is seen; DTensor's functional
+    collectives are not (count those with ``torch.distributed.tensor.debug.CommDebugMode``).
+    """
+
+    def __init__(self):
+        self.calls: Counter = Counter()
+        self.bytes: Counter = Counter()
+        self.sent: Counter = Counter()
+        self.events: list[tuple[str, int]] = []
+        self._saved: dict = {}
+
+    def _wrap(self, name: str, original):
+        kind, position, keyword = _METERED[name]
+
+        def metered(*args, **kwargs):
+            tensor = args[position] if len(args) > position else kwargs[keyword]
+            nbytes = _nbytes(tensor)
+            world = dist.get_world_size(kwargs.get("group"))
+            self.calls[kind] += 1
+            self.bytes[kind] += nbytes
+            splits = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
+            if kind == "all_to_all" and splits:  # uneven rows per destination: all but our own share leave
+                own = splits[dist.get_rank(kwargs.get("group"))]
+                self.sent[kind] += nbytes - nbytes * own // max(sum(splits), 1)
+            else:
+                self.sent[kind] += collective_bytes_sent(kind, nbytes, world)
+            self.events.append((kind, nbytes))
+            return original(*args, **kwargs)
+
+        metered.__wrapped__ = original
+        return metered
+
+    def __enter__(self) -> "CommMeter":
+        for name in _METERED:
+            original = getattr(dist, name, None)
+            if original is None:  # a name this torch does not have yet (e.g. reduce_scatter_single before 2.13)
+                continue
+            self._saved[name] = original
+            setattr(dist, name, self._wrap(name, original))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+        self._saved.clear()
+
+    def summary(self) -> dict[str, dict]:
+        """``{op: {"calls", "bytes", "sent"}}`` for every op that was called."""
+        return {op: {"calls": self.calls[op], "bytes": self.bytes[op], "sent": self.sent[op]} for op in self.calls}
+
+
 # ----------------------------------------------------------------------------- ring all-reduce
 def ring_chunk(rank: int, step: int, world_size: int) -> int:
     """Index of the chunk ``rank`` sends to ``rank + 1`` at ``step`` of a ring all-reduce.
@@ -414,10 +526,12 @@ def allreduce_time(nbytes: float, world_size: int, bandwidth: float, latency: fl
 
 
 def gradient_collective(strategy: str) -> str:
-    """The collective that synchronises gradients under a data-parallel ``strategy``:
-    DDP and ZeRO-1 need the full averaged gradient everywhere (``all_reduce``); ZeRO-2 and
-    ZeRO-3/FSDP keep only each rank's shard of it (``reduce_scatter``)."""
-    table = {"ddp": "all_reduce", "zero1": "all_reduce", "zero2": "reduce_scatter", "zero3": "reduce_scatter", "fsdp": "reduce_scatter"}
+    """The collective that synchronises gradients under a data-parallel ``strategy``: DDP needs
+    the full averaged gradient everywhere (``all_reduce``); ZeRO-1 (as in the paper and
+    :class:`ShardedOptimizer`), ZeRO-2 and ZeRO-3/FSDP need only the summed shard each rank
+    updates (``reduce_scatter``). A ZeRO-1 may also all-reduce and use its shard
+    (:class:`ShardedOptimizerBroadcast`), at more traffic."""
+    table = {"ddp": "all_reduce", "zero1": "reduce_scatter", "zero2": "reduce_scatter", "zero3": "reduce_scatter", "fsdp": "reduce_scatter"}
     if strategy not in table:
         raise ValueError(f"strategy={strategy!r}: expected one of {sorted(table)}")
     return table[strategy]
@@ -467,6 +581,26 @@ class DDPIndividual(torch.nn.Module):
                 p.grad.div_(self.world_size)
 
 
+def bucket_parameters(params, bucket_size_mb: float) -> list[list[torch.Tensor]]:
+    """Group ``params`` into buckets of at most ``bucket_size_mb`` MiB (``bucket_size_mb * 2**20``
+    bytes), in *reverse* order (the order backward produces their gradients): a new bucket starts
+    when the next parameter would take the current one past the limit. A parameter larger than
+    the limit gets a bucket of its own; no bucket is empty."""
+    if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or not bucket_size_mb > 0:
+        raise ValueError(f"bucket_size_mb={bucket_size_mb!r}: expected a positive number")
+    limit = bucket_size_mb * 2**20
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for p in reversed(list(params)):
+        nbytes = p.numel() * p.element_size()
+        if not buckets or size + nbytes > limit:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets
+
+
 class DDPBucketed(torch.nn.Module):
     """Data parallelism with gradients all-reduced in buckets of about ``bucket_size_mb``.
 
@@ -479,22 +613,11 @@ class DDPBucketed(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, bucket_size_mb: float):
         super().__init__()
-        if not bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb={bucket_size_mb!r}: expected a positive number")
         self.module = module
         self.world_size = dist.get_world_size()
         broadcast_parameters(module)
         params = list({id(p): p for p in module.parameters() if p.requires_grad}.values())
-        limit = bucket_size_mb * 2**20
-        self.buckets: list[list[torch.Tensor]] = [[]]
-        size = 0
-        for p in reversed(params):
-            nbytes = p.numel() * p.element_size()
-            if self.buckets[-1] and size + nbytes > limit:
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(p)
-            size += nbytes
+        self.buckets = bucket_parameters(params, bucket_size_mb)
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self._ready = [0] * len(self.buckets)
         self._pending: dict[int, tuple] = {}
@@ -532,15 +655,113 @@ class DDPBucketed(torch.nn.Module):
         self._ready = [0] * len(self.buckets)
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
-    """ZeRO stage 1: optimizer state sharded across ranks.
+def flat_shard_layout(numel: int, world_size: int) -> tuple[int, int]:
+    """``(padded, shard)`` for a flat buffer of ``numel`` elements split over ``world_size`` ranks:
+    the buffer is padded with zeros to ``padded``, the next multiple of ``world_size``, so that
+    every rank's shard has the same ``shard = padded // world_size`` elements (reduce-scatter and
+    all-gather need equal chunks). Rank ``r`` owns elements ``[r * shard, (r + 1) * shard)``."""
+    for name, value in (("numel", numel), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "numel" else 1):
+            raise ValueError(f"{name}={value!r}: expected an integer >= {0 if name == 'numel' else 1}")
+    shard = -(-numel // world_size)
+    return shard * world_size, shard
 
-    Every rank still holds all parameters and (after DDP) the full averaged gradient, but each
-    parameter is *owned* by one rank, the only one that keeps its optimizer state (AdamW's m
+
+def _reduce_scatter_into():
+    """``dist.reduce_scatter_single`` (torch >= 2.13), else its old name ``reduce_scatter_tensor``;
+    looked up at each call, so that :class:`CommMeter` sees it."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather_into():
+    """``dist.all_gather_single`` (torch >= 2.13), else its old name ``all_gather_into_tensor``."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO stage 1 as in the paper (Rajbhandari et al. 2020, "P_os"): optimizer state sharded
+    across ranks, with no more communication than DDP.
+
+    Each rank computes gradients on its own slice of the batch (no DDP wrapper: this optimizer
+    synchronises them). :meth:`step` flattens every gradient into one buffer, zero-padded to a
+    multiple of the world size (:func:`flat_shard_layout`), **reduce-scatters** it (rank ``r``
+    receives the sum of chunk ``r``) and divides by the world size; the wrapped optimizer then
+    steps this rank's fp32 master shard of the flattened parameters, whose state (AdamW's m and v)
+    is therefore ``1/N`` of the whole, exactly; finally the updated shards are **all-gathered**
+    and copied into the parameters. Per step each rank sends ``(N-1)/N`` of the buffer in the
+    reduce-scatter and as much in the all-gather: ``2(N-1)/N`` of it, the bytes of DDP's
+    all-reduce. Every rank ends with the parameters the unsharded optimizer would produce
+    (exactly so for element-wise optimizers such as SGD and Adam(W); one that uses a whole
+    tensor's norm, like LAMB, would see only its slice of it).
+
+    All parameters must share one dtype and device (the collectives run in that dtype); one
+    parameter group; ``param_groups[0]``'s hyperparameters (e.g. a new learning rate) are passed
+    to the shard's optimizer at every step.
+    """
+
+    def __init__(self, params, optimizer_cls: type, **kwargs):
+        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+            raise TypeError(f"optimizer_cls: expected a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        params = list(params)
+        if any(not isinstance(p, torch.Tensor) for p in params):
+            raise TypeError("params: expected tensors (one flat buffer holds them all: parameter groups are not supported)")
+        self.params = list({id(p): p for p in params}.values())
+        if not self.params:
+            raise ValueError("params: expected at least one parameter")
+        if len({(p.dtype, p.device) for p in self.params}) > 1:
+            raise ValueError(f"params: expected one dtype and device, got {sorted({f'{p.dtype} on {p.device}' for p in self.params})}")
+        super().__init__(self.params, kwargs)
+        self.numel = sum(p.numel() for p in self.params)
+        self.padded, self.shard_size = flat_shard_layout(self.numel, self.world_size)
+        self.shard_start = self.rank * self.shard_size
+        flat = self._flat([p.detach() for p in self.params], torch.float32)
+        self.master_shard = flat[self.shard_start:self.shard_start + self.shard_size].clone()  # not a view: 1/N of the memory
+        self.local_optimizer = optimizer_cls([self.master_shard], **kwargs)
+
+    def add_param_group(self, param_group: dict) -> None:
+        if self.param_groups:
+            raise ValueError("ShardedOptimizer keeps one parameter group (one flat buffer of all parameters)")
+        super().add_param_group(param_group)
+
+    def _flat(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The tensors flattened into one zero-padded buffer of ``self.padded`` elements."""
+        flat = torch.zeros(self.padded, dtype=dtype, device=self.params[0].device)
+        torch.cat([t.reshape(-1) for t in tensors], out=flat[:self.numel])
+        return flat
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        dtype = self.params[0].dtype
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        grad_shard = torch.empty(self.shard_size, dtype=dtype, device=self.master_shard.device)
+        _reduce_scatter_into()(grad_shard, self._flat(grads, dtype), op=dist.ReduceOp.SUM)
+        self.master_shard.grad = grad_shard.float().div_(self.world_size)  # the sum over ranks -> the mean
+        self.local_optimizer.param_groups[0].update({k: v for k, v in self.param_groups[0].items() if k != "params"})
+        self.local_optimizer.step()
+        gathered = torch.empty(self.padded, dtype=dtype, device=self.master_shard.device)
+        _all_gather_into()(gathered, self.master_shard.to(dtype))
+        for p, chunk in zip(self.params, gathered[:self.numel].split([p.numel() for p in self.params])):
+            p.copy_(chunk.view_as(p))
+        return loss
+
+
+class ShardedOptimizerBroadcast(torch.optim.Optimizer):
+    """A simpler ZeRO-1, kept for comparison with the paper's :class:`ShardedOptimizer`.
+
+    Every rank holds all parameters and, after DDP's all-reduce, the full averaged gradient, but
+    each parameter is *owned* by one rank, the only one that keeps its optimizer state (AdamW's m
     and v) and updates it. After the local step every owner broadcasts its updated parameters,
     so all ranks end with the same model, exactly as the unsharded optimizer would produce,
     while each holds only about ``1/N`` of the optimizer state. Parameters are assigned
-    greedily to the rank with the fewest elements so far, to balance the shards.
+    greedily to the rank with the fewest elements so far, to balance the shards (whole
+    parameters: the shares are only close to ``1/N``). It communicates more than the paper's
+    version: DDP's all-reduce (``2(N-1)/N`` of the gradients) and then the broadcasts
+    (``(N-1)/N`` of the parameters, counted as the ring algorithms send it).
     """
 
     def __init__(self, params, optimizer_cls: type, **kwargs):

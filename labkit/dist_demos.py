@@ -10,7 +10,8 @@ import copy
 import torch
 import torch.distributed as dist
 
-from labkit.dist import DDPBucketed, DDPIndividual, ShardedOptimizer, rank_device, ring_all_reduce
+from labkit.dist import (CommMeter, DDPBucketed, DDPIndividual, ShardedOptimizer, ShardedOptimizerBroadcast, rank_device,
+                         ring_all_reduce)
 from labkit.memory import optimizer_state_bytes
 
 
@@ -73,6 +74,14 @@ def _toy_setup(seed: int, global_batch: int, seq_len: int):
     return model, tokens[:, :-1], tokens[:, 1:]
 
 
+def _local_slice(rank: int, world_size: int, global_batch: int) -> slice:
+    """This rank's rows of the global batch. Equal slices only: the mean of the ranks' mean losses is
+    then the mean over the whole batch, so the averaged gradient is the full batch's."""
+    if global_batch % world_size:
+        raise ValueError(f"global_batch={global_batch}: must split evenly over world_size={world_size} ranks")
+    return slice(rank * global_batch // world_size, (rank + 1) * global_batch // world_size)
+
+
 def _train(model, wrapper, optimizer, x, y, steps: int) -> list[float]:
     from labkit.train import cross_entropy
 
@@ -127,39 +136,58 @@ def data_parallel(rank: int, world_size: int, steps: int = 3, global_batch: int 
     gradients instead of averaging them. SGD, because its step is proportional to the gradient:
     Adam(W) divides the gradient by its own running scale, so a summing DDP would match too.
     Returns the max parameter difference to the reference for each, and how many buckets the
-    bucketed version used."""
-    if global_batch % world_size:
-        raise ValueError(f"global_batch={global_batch}: must split evenly over world_size={world_size} ranks")
+    bucketed version used, and what this rank sent per step with each of labkit's DDPs (counted by
+    :class:`labkit.dist.CommMeter`: torch's DDP calls its collectives from C++, unseen)."""
+
     base, x, y = _toy_setup(seed, global_batch, seq_len)
-    local = slice(rank * global_batch // world_size, (rank + 1) * global_batch // world_size)
+    local = _local_slice(rank, world_size, global_batch)
     reference, _, _ = _reference(base, x, y, steps, torch.optim.SGD, lr=lr)
-    out = {"params": sum(p.numel() for p in base.parameters())}
+    out = {"params": sum(p.numel() for p in base.parameters()), "sent_per_step": {}, "calls_per_step": {}}
     for name, wrap in [("DDPIndividual", DDPIndividual), ("DDPBucketed", lambda m: DDPBucketed(m, bucket_size_mb)),
                        ("torch DDP", torch.nn.parallel.DistributedDataParallel), ("summing DDP (a bug)", _SummingDDP)]:
         model = copy.deepcopy(base)
         wrapper = wrap(model)
-        _train(model, wrapper, torch.optim.SGD(model.parameters(), lr=lr), x[local], y[local], steps)
+        with CommMeter() as meter:
+            _train(model, wrapper, torch.optim.SGD(model.parameters(), lr=lr), x[local], y[local], steps)
         out[name] = _max_param_diff(model, reference)
+        if name in ("DDPIndividual", "DDPBucketed"):
+            out["sent_per_step"][name] = {op: sent / steps for op, sent in meter.sent.items()}
+            out["calls_per_step"][name] = {op: calls / steps for op, calls in meter.calls.items()}
         if name == "DDPBucketed":
             out["buckets"] = len(wrapper.buckets)
     return out
 
 
 def zero1(rank: int, world_size: int, steps: int = 3, global_batch: int = 8, seq_len: int = 16, seed: int = 0) -> dict:
-    """DDP + :class:`ShardedOptimizer` (ZeRO-1) vs the unsharded optimizer: max parameter
-    difference after ``steps`` steps, and the optimizer-state bytes this rank holds in each case."""
+    """ZeRO-1 two ways against the unsharded AdamW on the full batch, ``steps`` steps: the paper's
+    :class:`ShardedOptimizer` (no DDP: it reduce-scatters the gradients itself, steps its shard,
+    all-gathers the parameters) and the broadcast variant (:class:`DDPIndividual`'s all-reduce,
+    then :class:`ShardedOptimizerBroadcast`). For each: the max parameter difference to the
+    reference, the optimizer-state bytes this rank holds, and the calls and bytes this rank sent
+    per step (:class:`labkit.dist.CommMeter`, ring algorithms). Top-level keys describe the
+    paper's version; ``"broadcast variant"`` holds the same for the other."""
     from labkit.train import AdamW
 
     base, x, y = _toy_setup(seed, global_batch, seq_len)
-    local = slice(rank * global_batch // world_size, (rank + 1) * global_batch // world_size)
+    local = _local_slice(rank, world_size, global_batch)
     reference, _, unsharded_state_bytes = _reference(base, x, y, steps, AdamW, lr=1e-2)
-    model = copy.deepcopy(base)
-    ddp = DDPIndividual(model)
-    sharded = ShardedOptimizer(model.parameters(), AdamW, lr=1e-2)
-    _train(model, ddp, sharded, x[local], y[local], steps)
-    return {"max_abs_diff": _max_param_diff(model, reference),
-            "state_bytes_unsharded": unsharded_state_bytes,
-            "state_bytes_sharded": optimizer_state_bytes(sharded.local_optimizer)}
+    runs = {}
+    for name in ("paper", "broadcast variant"):
+        model = copy.deepcopy(base)
+        if name == "paper":
+            wrapper, optimizer = model, ShardedOptimizer(model.parameters(), AdamW, lr=1e-2)
+            padded = optimizer.padded  # the flat buffer's elements: parameters + zero padding to a multiple of N
+        else:
+            wrapper = DDPIndividual(model)
+            optimizer = ShardedOptimizerBroadcast(model.parameters(), AdamW, lr=1e-2)
+        with CommMeter() as meter:
+            _train(model, wrapper, optimizer, x[local], y[local], steps)
+        runs[name] = {"max_abs_diff": _max_param_diff(model, reference),
+                      "state_bytes_sharded": optimizer_state_bytes(optimizer.local_optimizer),
+                      "sent_per_step": {op: sent / steps for op, sent in meter.sent.items()},
+                      "calls_per_step": {op: calls / steps for op, calls in meter.calls.items()}}
+    return {**runs["paper"], "broadcast variant": runs["broadcast variant"], "state_bytes_unsharded": unsharded_state_bytes,
+            "params": sum(p.numel() for p in base.parameters()), "padded": padded}
 
 
 def fsdp(rank: int, world_size: int, steps: int = 3, global_batch: int = 8, seq_len: int = 16, lr: float = 0.5, seed: int = 0) -> dict:
@@ -172,7 +200,7 @@ def fsdp(rank: int, world_size: int, steps: int = 3, global_batch: int = 8, seq_
     from labkit.train import cross_entropy
 
     base, x, y = _toy_setup(seed, global_batch, seq_len)
-    local = slice(rank * global_batch // world_size, (rank + 1) * global_batch // world_size)
+    local = _local_slice(rank, world_size, global_batch)
     _, ref_losses, _ = _reference(base, x, y, steps, torch.optim.SGD, lr=lr)
     model = copy.deepcopy(base)
     for layer in model.layers:

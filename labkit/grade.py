@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import csv
-import inspect
 import json
 import os
-import queue
 import subprocess
 import sys
 import tempfile
@@ -37,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from labkit.execute import sliced_waits_client
 from labkit.student import NOT_ANSWERED, cell_source, chapter_paths, student_notebook
 
 RESULTS = ("passed", "failed", "not attempted", "error", "contained")
@@ -200,40 +199,6 @@ def run_notebook(notebook: dict, timeout: float) -> Run:
         return Run(executed, status.get("failure", failure), leftovers, files)
 
 
-def _sliced_waits(get_msg, step_s: float = 1.0):
-    """``get_msg`` of a kernel channel, waiting in polls of at most ``step_s`` seconds.
-
-    nbclient waits for a cell's reply with one long poll of the channel's socket, and with widget cells that poll
-    sometimes never wakes although the message has arrived (jupyter/nbclient#312): the run then sits idle until
-    the time limit. A new poll sees the waiting message at once, so a missed wake-up costs at most ``step_s``."""
-
-    async def sliced(timeout: float | None = None):
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            wait = step_s if deadline is None else max(0.0, min(step_s, deadline - time.monotonic()))
-            try:
-                message = get_msg(timeout=wait)
-                return await message if inspect.isawaitable(message) else message
-            except queue.Empty:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
-
-    return sliced
-
-
-def _notebook_client(base: type) -> type:
-    """nbclient's ``NotebookClient`` (``base``) whose waits on the shell and IOPub channels are sliced."""
-
-    class SlicedWaitsClient(base):
-        async def async_start_new_kernel_client(self):
-            client = await super().async_start_new_kernel_client()
-            for channel in (client.shell_channel, client.iopub_channel):
-                channel.get_msg = _sliced_waits(channel.get_msg)
-            return client
-
-    return SlicedWaitsClient
-
-
 def _run_one(io_dir: Path, timeout: float) -> None:
     """The child process of :func:`run_notebook`: execute io_dir/in.ipynb, write out.ipynb and status.json."""
     import nbformat
@@ -243,7 +208,7 @@ def _run_one(io_dir: Path, timeout: float) -> None:
     notebook = nbformat.from_dict(json.loads((io_dir / "in.ipynb").read_text(encoding="utf-8")))
     deadline = time.monotonic() + timeout
     # The limit is for the whole notebook: each cell gets what is left of it.
-    client = _notebook_client(NotebookClient)(
+    client = sliced_waits_client(NotebookClient)(
         notebook, timeout_func=lambda cell: max(1, int(deadline - time.monotonic())),
         kernel_name="python3", allow_errors=True, resources={"metadata": {"path": os.getcwd()}})
     failure, running = "", {"index": None}

@@ -468,6 +468,50 @@ def compare(baseline: Callable[[], Any], candidate: Callable[[], Any], repeats: 
     return Comparison(timings[0], timings[1], tuple(a / b for a, b in zip(*samples)))
 
 
+class CoreCompetitor:
+    """Another program on this program's core, to see what noise does to a measurement.
+
+    ``with CoreCompetitor() as rival:`` pins this process to one of its cores and starts a process
+    that spins on the same core, paused; ``rival.resume()`` and ``rival.pause()`` (SIGCONT, SIGSTOP)
+    let it compete for the core only while wanted, so that :func:`compare` can alternate quiet and
+    noisy samples. On leaving, the rival is killed and this process's cores are restored. Needs
+    Linux's ``sched_setaffinity`` (:meth:`available`)."""
+
+    @staticmethod
+    def available() -> bool:
+        return hasattr(os, "sched_setaffinity") and hasattr(os, "sched_getaffinity")
+
+    def __enter__(self) -> "CoreCompetitor":
+        if not self.available():
+            raise RuntimeError("CoreCompetitor needs os.sched_setaffinity (Linux): this platform cannot pin processes to cores")
+        import signal
+        import sys
+
+        self._cores = os.sched_getaffinity(0)
+        core = {min(self._cores)}
+        os.sched_setaffinity(0, core)
+        self._signal = signal
+        self._process = subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+        try:
+            os.sched_setaffinity(self._process.pid, core)
+            self.pause()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def resume(self) -> None:
+        os.kill(self._process.pid, self._signal.SIGCONT)
+
+    def pause(self) -> None:
+        os.kill(self._process.pid, self._signal.SIGSTOP)
+
+    def __exit__(self, *exc) -> None:
+        self._process.kill()
+        self._process.wait()
+        os.sched_setaffinity(0, self._cores)
+
+
 def _calls_per_sample(run, min_sample_s: float, limit: int = 1 << 20) -> int:
     """Calls per sample so that one sample lasts about ``min_sample_s``: clock overhead and timer
     resolution then stay far below the measured time (these calls are warm-up too)."""

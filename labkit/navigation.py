@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from labkit.student import BEGIN, cell_source, chapter_paths
+from labkit.student import BEGIN, cell_source, chapter_paths, grader_calls
 
 TOP_ID, BOTTOM_ID = "labkit-where-you-are", "labkit-next-chapter"
 WIDGET_CELL = re.compile(r"^\s*# not compared: widget\s*$", re.MULTILINE)
@@ -93,10 +93,11 @@ def read_chapter(path: Path) -> Chapter:
     previous = f"{int(number) - 1:02d}"
     prerequisites = tuple(meta.get("prerequisites", [] if number == "00" else [previous]))
     code = "\n".join(cell_source(c) for c in notebook["cells"] if c["cell_type"] == "code")
+    graded = [name for c in notebook["cells"] if c["cell_type"] == "code" for name in grader_calls(cell_source(c))]
     return Chapter(path=path, number=number, title=title,
                    minutes=int(meta.get("minutes", estimated_minutes(notebook))),
                    prerequisites=prerequisites, widget_cells=tuple(widget_cells(notebook)),
-                   exercises=code.count(BEGIN), kernels=bool(USES_KERNELS.search(code)),
+                   exercises=len(graded), kernels=bool(USES_KERNELS.search(code)),
                    distributed=bool(USES_DISTRIBUTED.search(code)))
 
 

@@ -524,3 +524,34 @@ def format_table(table: dict[str, dict[str, float]], digits: int = 3, tiny: floa
     for row, values in table.items():
         lines.append(f"{row:>{width}}  " + "  ".join(cell(values[c]) for c in columns))
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- a learner's RMSNorm kernel
+def launch_rmsnorm_kernel(kernel, x_rows: torch.Tensor, weight: torch.Tensor, y_rows: torch.Tensor, eps: float) -> None:
+    """Launch a ``@triton.jit`` RMSNorm forward ``kernel(X, W, Y, x_row_stride, y_row_stride, n_cols, eps,
+    BLOCK_SIZE: tl.constexpr)`` the way chapter 02's exercise asks for one: a program per row of the 2-D
+    ``x_rows`` (its rows may be strided), ``BLOCK_SIZE`` the next power of two >= the width, into ``y_rows``."""
+    import triton
+
+    n_rows, n_cols = x_rows.shape
+    kernel[(n_rows,)](x_rows, weight, y_rows, x_rows.stride(0), y_rows.stride(0), n_cols, eps, triton.next_power_of_2(n_cols))
+
+
+def rmsnorm_kernel_bandwidth(kernel, rows: int = 4096, width: int = 4096) -> dict[str, float] | None:
+    """On a GPU: GB/s of a learner's ``kernel`` (see :func:`launch_rmsnorm_kernel`) and of labkit's RMSNorm on
+    ``x [rows, width]`` bf16, counting the bytes that must move (read x and the weight, write y). ``None`` where
+    kernels run in Triton's interpreter (its speed says nothing about a GPU's) or not at all."""
+    from labkit.hardware import timeit
+    from labkit.kernels import available
+    from labkit.runtime import triton_mode
+
+    if not available()[0] or triton_mode() != "compiled":
+        return None
+    from labkit.kernels.rmsnorm import rmsnorm as labkit_rmsnorm
+
+    x = torch.randn(rows, width, dtype=torch.bfloat16, device="cuda")
+    weight = torch.rand(width, dtype=torch.bfloat16, device="cuda") + 0.5
+    y = torch.empty_like(x)
+    moved = (2 * x.numel() + weight.numel()) * x.element_size()
+    return {"yours": moved / timeit(launch_rmsnorm_kernel, kernel, x, weight, y, 1e-5).median / 1e9,
+            "labkit": moved / timeit(labkit_rmsnorm, x, weight, 1e-5).median / 1e9}

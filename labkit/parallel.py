@@ -1,9 +1,9 @@
 """Splitting the model (chapter 08): tensor, sequence, pipeline and context parallelism, built
 from ``torch.distributed`` calls and measured.
 
-- :class:`CommMeter` wraps the ``torch.distributed`` functions and counts, on this rank, the
-  calls and bytes of every collective and point-to-point message; the ``*_comm`` functions below
-  predict the same numbers from the sizes.
+- :class:`CommMeter` (from :mod:`labkit.dist`, where chapter 07 first uses it) wraps the
+  ``torch.distributed`` functions and counts, on this rank, the calls and bytes of every collective
+  and point-to-point message; the ``*_comm`` functions below predict the same numbers from the sizes.
 - Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): :class:`ColumnParallelLinear` keeps a
   slice of a weight's output features, :class:`RowParallelLinear` a slice of its input features;
   the ``f`` operator (:func:`copy_to_tensor_parallel`: identity forward, all-reduce backward) and
@@ -28,119 +28,16 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections import Counter
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from labkit.attention import online_softmax_update
+from labkit.dist import CommMeter, collective_bytes_sent  # noqa: F401  (the meter lives with chapter 07's collectives)
 from labkit.memory import SavedTensorMeter
 from labkit.model import TransformerBlock, TransformerLM
 from labkit.nn import ACTIVATIONS, GLU, MultiHeadSelfAttention, causal_mask
-
-
-# ============================================================================ the communication meter
-def collective_bytes_sent(op: str, nbytes: float, world_size: int) -> float:
-    """Bytes one rank sends when ``op`` runs with the ring algorithms NCCL uses, for a call
-    whose tensor argument is ``nbytes`` (all-reduce, broadcast, reduce-scatter: the full tensor;
-    all-gather: this rank's contribution; send: the message).
-
-    all-reduce ``2(N-1)/N · nbytes`` (reduce-scatter then all-gather), reduce-scatter
-    ``(N-1)/N · nbytes``, all-gather ``(N-1) · nbytes`` (each rank's piece goes to N-1 others),
-    send ``nbytes``, recv 0.
-    """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r}: expected a positive integer")
-    if nbytes < 0:
-        raise ValueError(f"nbytes={nbytes!r}: expected >= 0")
-    n = world_size
-    factors = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": n - 1,
-               "broadcast": (n - 1) / n, "all_to_all": (n - 1) / n, "send": 1.0, "recv": 0.0}
-    if op not in factors:
-        raise ValueError(f"op={op!r}: expected one of {sorted(factors)}")
-    return factors[op] * nbytes
-
-
-def _nbytes(t) -> int:
-    if isinstance(t, (list, tuple)):
-        return sum(_nbytes(x) for x in t)
-    return t.numel() * t.element_size()
-
-
-# op name -> (kind for collective_bytes_sent, position and keyword of the tensor argument that sizes the call)
-_METERED = {
-    "all_reduce": ("all_reduce", 0, "tensor"),
-    "broadcast": ("broadcast", 0, "tensor"),
-    "all_gather": ("all_gather", 1, "tensor"),
-    "all_gather_into_tensor": ("all_gather", 1, "input_tensor"),
-    "reduce_scatter": ("reduce_scatter", 1, "input_list"),
-    "reduce_scatter_tensor": ("reduce_scatter", 1, "input"),
-    "all_to_all_single": ("all_to_all", 1, "input"),
-    "send": ("send", 0, "tensor"),
-    "isend": ("send", 0, "tensor"),
-    "recv": ("recv", 0, "tensor"),
-    "irecv": ("recv", 0, "tensor"),
-}
-
-
-class CommMeter:
-    """Count what this rank hands to ``torch.distributed`` while the block runs.
-
-    ``with CommMeter() as meter: ...`` replaces ``torch.distributed.all_reduce``, ``all_gather``,
-    ``reduce_scatter``, ``broadcast``, ``all_to_all_single``, ``send``/``isend``/``recv``/``irecv``
-    (and the ``*_tensor`` variants) by wrappers that log each call, then restores them. Per op
-    name (``isend`` counts as ``send``, ``all_gather_into_tensor`` as ``all_gather``, ...):
-    ``calls[op]``, ``bytes[op]`` (the size of the tensor argument: see
-    :func:`collective_bytes_sent`) and ``sent[op]`` (what the ring algorithm makes this rank send).
-    ``events`` lists ``(op, bytes)`` in call order. Code that calls the collectives through
-    ``torch.distributed`` (labkit's, chapter 04's expert parallelism) is seen; DTensor's functional
-    collectives are not (count those with ``torch.distributed.tensor.debug.CommDebugMode``).
-    """
-
-    def __init__(self):
-        self.calls: Counter = Counter()
-        self.bytes: Counter = Counter()
-        self.sent: Counter = Counter()
-        self.events: list[tuple[str, int]] = []
-        self._saved: dict = {}
-
-    def _wrap(self, name: str, original):
-        kind, position, keyword = _METERED[name]
-
-        def metered(*args, **kwargs):
-            tensor = args[position] if len(args) > position else kwargs[keyword]
-            nbytes = _nbytes(tensor)
-            world = dist.get_world_size(kwargs.get("group"))
-            self.calls[kind] += 1
-            self.bytes[kind] += nbytes
-            splits = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
-            if kind == "all_to_all" and splits:  # uneven rows per destination: all but our own share leave
-                own = splits[dist.get_rank(kwargs.get("group"))]
-                self.sent[kind] += nbytes - nbytes * own // max(sum(splits), 1)
-            else:
-                self.sent[kind] += collective_bytes_sent(kind, nbytes, world)
-            self.events.append((kind, nbytes))
-            return original(*args, **kwargs)
-
-        metered.__wrapped__ = original
-        return metered
-
-    def __enter__(self) -> "CommMeter":
-        for name in _METERED:
-            original = getattr(dist, name)
-            self._saved[name] = original
-            setattr(dist, name, self._wrap(name, original))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
-        self._saved.clear()
-
-    def summary(self) -> dict[str, dict]:
-        """``{op: {"calls", "bytes", "sent"}}`` for every op that was called."""
-        return {op: {"calls": self.calls[op], "bytes": self.bytes[op], "sent": self.sent[op]} for op in self.calls}
 
 
 # ============================================================================ tensor parallelism: f and g

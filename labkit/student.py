@@ -160,10 +160,23 @@ def _docstring(statement: str, function: str, indent: str, alone: bool) -> list[
     return [indent + line for line in lines]
 
 
+def split_cell_magic(source: str) -> tuple[str, str]:
+    """``(magic line, Python)`` of a cell that starts with a cell magic (``%%writefile my_ddp.py``: the
+    cell's code goes to a file the ranks of a distributed exercise import), else ``("", source)``."""
+    if source.startswith("%%"):
+        magic, _, body = source.partition("\n")
+        return magic + "\n", body
+    return "", source
+
+
 def skeleton(source: str, exercise: Exercise) -> str:
     """The learner's version of a solution cell: each function or class that holds a solution block keeps
     its signature, gains a docstring (the exercise statement) where it has none, and its solution becomes
-    a ``raise NotImplementedError`` pointing to the exercise text."""
+    a ``raise NotImplementedError`` pointing to the exercise text. A leading cell magic line
+    (``%%writefile ...``) is kept as it is and the Python below it is handled as a cell of its own."""
+    magic, source = split_cell_magic(source)
+    if magic:
+        return magic + skeleton(source, exercise)
     try:
         tree = ast.parse(source)
     except SyntaxError as err:

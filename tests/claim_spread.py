@@ -31,13 +31,9 @@ VARIANTS = {
 
 def run_notebook(notebook: Path, env_changes: dict, log: Path, out_dir: Path) -> float:
     env = {**os.environ, **env_changes, "LABKIT_DEVICE": "cpu", "LABKIT_CLAIMS_LOG": str(log)}
-    jupyter = Path(sys.executable).with_name("jupyter")
     start = time.monotonic()
-    subprocess.run(
-        [str(jupyter), "nbconvert", "--to", "notebook", "--execute", "--ExecutePreprocessor.timeout=600",
-         "--output-dir", str(out_dir), str(notebook)],
-        env=env, check=True, capture_output=True,
-    )
+    subprocess.run([sys.executable, "-m", "labkit.execute", "--timeout", "600", "--output-dir", str(out_dir), str(notebook)],
+                   env=env, check=True, capture_output=True)
     return time.monotonic() - start
 
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import labkit  # noqa: F401
+from labkit import block_formats as B
 from labkit import checks
 from labkit import precision as P
 from labkit.checks import CheckFailed
@@ -196,3 +197,76 @@ def test_amax_scale_rejects_realistic_mistakes(wrong, hint):
 def test_a_function_that_returns_nothing_gets_a_hint_to_return(grader, unfinished):
     with pytest.raises(CheckFailed, match="returned None"):
         grader(unfinished)
+
+
+# ----------------------------------------------------------------------------- mx_quantize
+
+
+def mx_by_hand(x, fmt, rounding="up", signed_max=False, use_emax=True, per_tensor=False, guard_zero=True, clamp=True,
+               round_values=True, in_place=False):
+    element = B.get_block_format(fmt).element_format
+    blocks = (x.abs_() if in_place else x).float().reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    amax = blocks.amax(-1) if signed_max else blocks.abs().amax(-1)
+    if per_tensor:
+        amax = torch.full_like(amax, amax.max().item())
+    ratio = amax / element.max if use_emax else amax
+    if rounding == "up":
+        exponent = torch.ceil(torch.log2(ratio))
+    elif rounding == "floor+1":
+        exponent = torch.floor(torch.log2(ratio)) + 1
+    else:  # OCP v1.0's floor(log2(amax)) - emax_elem
+        exponent = torch.floor(torch.log2(amax)) - B.element_emax(element)
+    if clamp:
+        exponent = exponent.clamp(-127, 127)
+    scales = torch.exp2(exponent)
+    if guard_zero:
+        scales = torch.where(amax > 0, scales, 1.0)
+    scaled = blocks / scales[..., None]
+    values = P.round_to(scaled, element, saturate=True).float() if round_values else scaled
+    return values.reshape(x.shape).to(x.device), scales
+
+
+def test_mx_quantize_accepts_right_answers(capsys):
+    checks.mx_quantize(mx_by_hand)
+    checks.mx_quantize(B.mx_quantize)
+    assert "✓ mx_quantize" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    (dict(rounding="ocp"), "round the scale UP"),
+    (dict(signed_max=True), "MAGNITUDE"),
+    (dict(use_emax=False), "divide amax by the element format's max"),
+    (dict(per_tensor=True), "one scale per block"),
+    (dict(guard_zero=False), "all-zero block"),
+    (dict(clamp=False), r"2\^-127 and no further"),
+    (dict(round_values=False), "round x / scale to the element format"),
+    (dict(in_place=True), "do not change x"),
+    (dict(rounding="floor+1"), r"ceil\(j\) = j"),  # one binade too many on exact boundaries
+])
+def test_mx_quantize_rejects_typical_mistakes(mistake, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks.mx_quantize(lambda x, fmt: mx_by_hand(x, fmt, **mistake))
+
+
+def test_mx_quantize_rejects_float64_values_wrong_blocks_and_state():
+    with pytest.raises(CheckFailed, match="float32"):
+        checks.mx_quantize(lambda x, fmt: (P.round_to(mx_by_hand(x, fmt)[0], "fp32"), mx_by_hand(x, fmt)[1]))
+
+    def blocks_of_16(x, fmt):  # NVFP4's block size
+        values, _ = mx_by_hand(x, fmt)
+        amax = x.float().reshape(*x.shape[:-1], -1, 16).abs().amax(-1)
+        return values, B.e8m0_scale(amax, fmt)
+
+    with pytest.raises(CheckFailed, match="one entry per block of 32"):
+        checks.mx_quantize(blocks_of_16)
+    calls = []
+
+    def cached(x, fmt):
+        calls.append(1)
+        values, scales = mx_by_hand(x, fmt)
+        return values, scales * (2.0 if len(calls) % 2 == 0 else 1.0)
+
+    with pytest.raises(CheckFailed, match="second call"):
+        checks.mx_quantize(cached)
+    with pytest.raises(CheckFailed, match="returned None"):
+        checks.mx_quantize(lambda x, fmt: None)

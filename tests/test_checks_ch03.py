@@ -234,3 +234,98 @@ def test_flash_attention_torch_accepts_reference_and_an_independent_solution(cap
 def test_flash_attention_torch_rejects_typical_mistakes(mistake, hint):
     with pytest.raises(CheckFailed, match=hint):
         checks.flash_attention_torch(lambda *args: learner_flash(*args, **mistake))
+
+
+# ----------------------------------------------------------------------------- flash_attention_triton
+# A right per-key-block update, independent of labkit's (natural-log max kept alongside, explicit masks), and
+# wrong variants made by replacing one line of it; they are written to a module file because @triton.jit reads
+# the function's source.
+RIGHT_UPDATE = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def update(acc, m_i, l_i, q, k, v, offs_m, offs_n, seq_k, causal_offset, sm_scale,
+           MASKED: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    qk_scale = sm_scale * 1.4426950408889634
+    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+    if MASKED:
+        keep = offs_n[None, :] < seq_k
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] - causal_offset <= offs_m[:, None])
+        s = tl.where(keep, s, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    correction = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_new = l_i * correction + tl.sum(p, axis=1)
+    acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return acc, m_new, l_new
+'''
+
+TRITON_MISTAKES = {  # name: (line of RIGHT_UPDATE, its wrong replacement, words the hint must contain)
+    "acc not corrected": ("acc = acc * correction[:, None] +", "acc = acc +", "acc = acc \\* alpha"),
+    "sum not corrected": ("l_new = l_i * correction +", "l_new = l_i +", "l_i = l_i \\* alpha"),
+    "exp2 without log2(e)": ("qk_scale = sm_scale * 1.4426950408889634", "qk_scale = sm_scale", "log2\\(e\\)"),
+    "1/D instead of 1/sqrt(D)": ("qk_scale = sm_scale * 1.4426950408889634",
+                                 "qk_scale = sm_scale * sm_scale * 1.4426950408889634", "use sm_scale as it is given"),
+    "a scale from the tile width": ("qk_scale = sm_scale * 1.4426950408889634",
+                                    "qk_scale = 1.4426950408889634 / tl.sqrt(q.shape[1] * 1.0)", "24 while the tiles"),
+    "top-left causal mask": ("offs_n[None, :] - causal_offset <= offs_m[:, None]", "offs_n[None, :] <= offs_m[:, None]",
+                             "bottom-right"),
+    "ragged tail not masked": ("keep = offs_n[None, :] < seq_k", "keep = offs_n[None, :] >= 0", "padding"),
+    "masks only when CAUSAL": ("    if MASKED:", "    if CAUSAL:", "padding"),
+    "natural exp (lse off by log2 e)": ("correction = tl.exp2(m_i - m_new)", "correction = tl.exp(m_i - m_new)",
+                                        "rescale what was summed"),
+    "natural units throughout (lse in the wrong base)": ("qk_scale = sm_scale * 1.4426950408889634\n",
+                                                        "qk_scale = sm_scale\n    tl_exp2 = tl.exp\n", "base-2"),
+    "returns the old max": ("return acc, m_new, l_new", "return acc, m_i, l_new", "return"),
+}
+
+
+@pytest.fixture(scope="module")
+def update_module(tmp_path_factory):
+    """Write RIGHT_UPDATE and each mistake as modules and import them: name -> the jitted update."""
+    import importlib.util
+
+    pytest.importorskip("triton")
+    folder = tmp_path_factory.mktemp("updates")
+    sources = {"right": RIGHT_UPDATE}
+    for index, (name, (line, wrong, _)) in enumerate(TRITON_MISTAKES.items()):
+        assert line in RIGHT_UPDATE, name
+        source = RIGHT_UPDATE.replace(line, wrong)
+        if name.startswith("natural units"):
+            source = source.replace("tl.exp2(", "tl.exp(")
+        sources[f"mistake_{index}"] = source
+    sources["todo"] = RIGHT_UPDATE[: RIGHT_UPDATE.index("    qk_scale")] + (
+        '    raise NotImplementedError("not answered yet: write update (see the hint in Exercise 4 above)")\n')
+    updates = {}
+    for module_name, source in sources.items():
+        path = folder / f"{module_name}.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location(f"_updates_{module_name}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        updates[module_name] = module.update
+    return updates
+
+
+def test_flash_attention_triton_accepts_labkits_update_and_an_independent_one(update_module, capsys):
+    from labkit.kernels.flash_attention import _attention_block_update
+
+    checks.flash_attention_triton(_attention_block_update)
+    checks.flash_attention_triton(update_module["right"])
+    assert capsys.readouterr().out.count("✓ flash_attention_triton") == 2
+
+
+@pytest.mark.parametrize("index, name", list(enumerate(TRITON_MISTAKES)), ids=list(TRITON_MISTAKES))
+def test_flash_attention_triton_rejects_typical_mistakes(update_module, index, name):
+    with pytest.raises(CheckFailed, match=TRITON_MISTAKES[name][2]):
+        checks.flash_attention_triton(update_module[f"mistake_{index}"])
+
+
+def test_flash_attention_triton_says_not_answered_and_rejects_a_plain_function(update_module):
+    with pytest.raises(CheckFailed, match="not answered yet(.|\n)*write your answer in place"):
+        checks.flash_attention_triton(update_module["todo"])
+    with pytest.raises(CheckFailed, match="@triton.jit"):
+        checks.flash_attention_triton(attention.online_softmax_update)

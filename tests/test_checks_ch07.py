@@ -118,8 +118,8 @@ def test_ring_step_rejects_mistakes(kwargs, hint):
 
 def test_gradient_collective_accepts_reference(capsys):
     checks.gradient_collective(gradient_collective)
-    # ZeRO-1 may reduce-scatter the gradients too (ZeRO paper, section 7.2.1): both are accepted, with a note
-    checks.gradient_collective(lambda s: "all_reduce" if s == "ddp" else "reduce_scatter")
+    # ZeRO-1 may all-reduce the gradients too (labkit's ShardedOptimizerBroadcast): both are accepted, with a note
+    checks.gradient_collective(lambda s: "all_reduce" if s in ("ddp", "zero1") else "reduce_scatter")
     checks.gradient_collective(lambda s: "all_reduce" if s == "ddp" else "reduce_scatter_tensor")
     out = capsys.readouterr().out
     assert out.count("✓ gradient_collective") == 3
@@ -136,3 +136,130 @@ def test_gradient_collective_accepts_reference(capsys):
 def test_gradient_collective_rejects_mistakes(wrong, hint):
     with pytest.raises(CheckFailed, match=hint):
         checks.gradient_collective(wrong)
+
+
+# ----------------------------------------------------------------------------- exercises 4 and 5: a bucketed DDP and ZeRO-1
+# The right answers are the notebook's own %%writefile cells; each mistake is a small edit of them, written to a file
+# (the grader's ranks import it), as a learner's cell would be.
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from labkit.student import exercise_text, skeleton, split_cell_magic  # noqa: E402
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "07_memory_distributed.ipynb"
+
+
+def notebook_cell(cell_id: str) -> str:
+    cells = json.loads(NOTEBOOK.read_text(encoding="utf-8"))["cells"]
+    return "".join(next(c for c in cells if c.get("id") == cell_id)["source"])
+
+
+def learner_class(tmp_path, cell_id: str, class_name: str, edits=(), student=False):
+    """The class of the notebook's exercise cell ``cell_id`` after ``edits`` ((old, new) text replacements, each
+    of which must apply), or of its student skeleton, written to a file and imported as the notebook does."""
+    source = notebook_cell(cell_id)
+    if student:
+        source = skeleton(source, exercise_text([{"cell_type": "markdown", "source": "**Exercise 4.** Write it."}], 1))
+    source = split_cell_magic(source)[1]
+    for old, new in edits:
+        assert old in source, old
+        source = source.replace(old, new)
+    path = tmp_path / f"{cell_id.replace('-', '_')}_{abs(hash(tuple(edits))) % 10**8}.py"
+    path.write_text(source)
+    return getattr(checks.import_file(path), class_name)
+
+
+def test_bucketed_ddp_accepts_the_notebooks_answer(tmp_path, capsys):
+    checks.bucketed_ddp(learner_class(tmp_path, "ex4-file", "BucketedDDP"))
+    out = capsys.readouterr().out
+    assert "✓ bucketed_ddp" in out and "within 1e-4" in out
+
+
+DDP_MISTAKES = {
+    "forgets to divide": ([("            flat /= self.world_size\n", "")], "divide by the world size"),
+    "all-reduces after backward": ([("self.pending.append((dist.all_reduce(flat, async_op=True), flat, bucket))",
+                                     "self.pending.append((None, flat, bucket))"),
+                                    ("            handle.wait()", "            dist.all_reduce(flat)")], "during backward"),
+    "blocking all-reduce in the hook": ([("dist.all_reduce(flat, async_op=True)", "dist.all_reduce(flat, async_op=False)"),
+                                         ("            handle.wait()", "            handle is None or handle.wait()")], "async_op=True"),
+    "one all-reduce per parameter": ([("bucket_parameters(params, bucket_size_mb)", "[[p] for p in reversed(params)]")],
+                                     "one per bucket"),
+    "never waits": ([("            handle.wait()\n", "")], "wait"),
+    "no broadcast": ([("            dist.broadcast(p.data, src=0)", "            pass")], "broadcast rank 0's parameters"),
+    "keeps the counts of the last step": ([("        self.ready = [0] * len(self.buckets)\n        # END", "        # END")],
+                                          "reset the per-step state"),
+    "never copies back": ([("                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))\n", "")],
+                          "this rank's own gradient"),
+    "all-reduces in fp32": ([("torch.cat([p.grad.reshape(-1) for p in bucket])", "torch.cat([p.grad.reshape(-1).float() for p in bucket])")],
+                            "in its own dtype"),
+}
+
+
+@pytest.mark.parametrize("mistake", DDP_MISTAKES)
+def test_bucketed_ddp_rejects_mistakes(tmp_path, mistake):
+    edits, hint = DDP_MISTAKES[mistake]
+    with pytest.raises(CheckFailed, match=hint):
+        checks.bucketed_ddp(learner_class(tmp_path, "ex4-file", "BucketedDDP", edits))
+
+
+def test_an_unanswered_skeleton_says_so_from_the_ranks(tmp_path):
+    for cell, name, grader in (("ex4-file", "BucketedDDP", checks.bucketed_ddp), ("ex5-file", "ZeroOneOptimizer", checks.zero1_optimizer)):
+        with pytest.raises(CheckFailed, match="(?s)NotImplementedError: not answered yet.*write your answer in place"):
+            grader(learner_class(tmp_path, cell, name, student=True))
+
+
+def test_a_class_defined_in_the_notebook_is_sent_to_the_file():
+    class BucketedDDP:
+        pass
+
+    with pytest.raises(CheckFailed, match="%%writefile"):
+        checks.bucketed_ddp(BucketedDDP)
+    with pytest.raises(CheckFailed, match="the class itself"):
+        checks.zero1_optimizer("ZeroOneOptimizer")
+
+
+def test_zero1_accepts_the_notebooks_answer(tmp_path, capsys):
+    checks.zero1_optimizer(learner_class(tmp_path, "ex5-file", "ZeroOneOptimizer"))
+    out = capsys.readouterr().out
+    assert "✓ zero1_optimizer" in out and "within 1e-4" in out
+
+
+ZERO_MISTAKES = {
+    "forgets to divide": ([("self.shard.grad = grad_shard / self.world_size", "self.shard.grad = grad_shard")],
+                          "divide the reduce-scattered shard by the world size"),
+    "no padding": ([("self.shard_size = -(-self.numel // self.world_size)", "self.shard_size = self.numel // self.world_size")],
+                   "pad the flat buffer"),
+    "pads a chunk too many": ([("self.shard_size = -(-self.numel // self.world_size)",
+                                "self.shard_size = self.numel // self.world_size + 1")], "NEXT multiple"),
+    "steps the full parameters": ([("self.shard = flat[start:start + self.shard_size].clone()", "self.shard = flat.clone()"),
+                                   ("        grad_shard = torch.empty(self.shard_size)\n", ""),
+                                   ("dist.reduce_scatter_tensor(grad_shard, flat_grad)", "dist.all_reduce(flat_grad); grad_shard = flat_grad"),
+                                   ("dist.all_gather_into_tensor(flat, self.shard)", "flat = self.shard.detach()")],
+                                  "reduce-scatter the flat gradient buffer instead"),
+    "no all-gather": ([("        flat = torch.empty(self.padded)\n        dist.all_gather_into_tensor(flat, self.shard)\n",
+                        "        flat = torch.zeros(self.padded)\n"
+                        "        flat[:self.numel] = torch.cat([p.reshape(-1) for p in self.params])\n"
+                        "        flat[self.rank * self.shard_size:(self.rank + 1) * self.shard_size] = self.shard\n")],
+                      "all-gather the updated shards"),
+    "all-gathers the gradients": ([("dist.all_gather_into_tensor(flat, self.shard)", "dist.all_gather_into_tensor(flat, self.shard.grad)")],
+                                  "not the gradient shard"),
+    "shard index off by one": ([("start = self.rank * self.shard_size", "start = (self.rank + 1) % self.world_size * self.shard_size")],
+                               "shard"),
+    "divides the gradients in place": ([("        flat_grad = torch.zeros(self.padded)\n",
+                                         "        for p in self.params:\n            p.grad /= self.world_size\n"
+                                         "        flat_grad = torch.zeros(self.padded)\n"),
+                                        ("self.shard.grad = grad_shard / self.world_size", "self.shard.grad = grad_shard")],
+                                       "changes the caller's gradients"),
+    "the shard is a view of the full buffer": ([("self.shard = flat[start:start + self.shard_size].clone()",
+                                                 "self.shard = flat[start:start + self.shard_size]")], "own storage"),
+    "no reduction": ([("dist.reduce_scatter_tensor(grad_shard, flat_grad)",
+                       "grad_shard = flat_grad[self.rank * self.shard_size:(self.rank + 1) * self.shard_size] * self.world_size")],
+                     "reduce_scatter_tensor of the flat gradient buffer"),
+}
+
+
+@pytest.mark.parametrize("mistake", ZERO_MISTAKES)
+def test_zero1_rejects_mistakes(tmp_path, mistake):
+    edits, hint = ZERO_MISTAKES[mistake]
+    with pytest.raises(CheckFailed, match=hint):
+        checks.zero1_optimizer(learner_class(tmp_path, "ex5-file", "ZeroOneOptimizer", edits))

@@ -14,6 +14,8 @@ from labkit import dist_demos
 from labkit.dist import (
     RankFailedError,
     allreduce_time,
+    bucket_parameters,
+    flat_shard_layout,
     gradient_collective,
     launch,
     ring_allreduce_step,
@@ -129,14 +131,109 @@ def test_ddp_classes_match_single_process_and_torch_ddp(demos):
 
 
 def test_sharded_optimizer_matches_and_shards_state(demos):
-    shards = []
+    paper_shards, broadcast_shards = [], []
     for r in range(WORLD):
         out = demos[r]["zero1"]
-        assert out["max_abs_diff"] < 1e-5
-        shards.append(out["state_bytes_sharded"])
-    full = demos[0]["zero1"]["state_bytes_unsharded"]
-    assert sum(shards) == full  # every state tensor lives on exactly one rank
-    assert max(shards) < 1.5 * full / WORLD
+        assert out["max_abs_diff"] < 1e-5 and out["broadcast variant"]["max_abs_diff"] < 1e-5
+        paper_shards.append(out["state_bytes_sharded"])
+        broadcast_shards.append(out["broadcast variant"]["state_bytes_sharded"])
+    full, padded = demos[0]["zero1"]["state_bytes_unsharded"], demos[0]["zero1"]["padded"]
+    assert padded == flat_shard_layout(demos[0]["zero1"]["params"], WORLD)[0]
+    assert paper_shards == [8 * padded // WORLD] * WORLD  # AdamW's m and v of exactly one shard (labkit's step is an int)
+    assert sum(broadcast_shards) == full  # every state tensor lives on exactly one rank
+    assert max(broadcast_shards) < 1.5 * full / WORLD
+
+
+def test_zero1_and_ddp_send_what_the_ring_formulas_say(demos):
+    n, out, dp = WORLD, demos[0]["zero1"], demos[0]["data_parallel"]
+    psi = 4 * out["params"]
+    assert out["calls_per_step"] == {"reduce_scatter": 1, "all_gather": 1}
+    assert out["sent_per_step"] == {"reduce_scatter": (n - 1) / n * 4 * out["padded"], "all_gather": (n - 1) * 4 * out["padded"] / n}
+    assert sum(out["sent_per_step"].values()) == 2 * (n - 1) / n * 4 * out["padded"]
+    assert dp["sent_per_step"]["DDPBucketed"]["all_reduce"] == pytest.approx(2 * (n - 1) / n * psi)
+    assert dp["calls_per_step"]["DDPBucketed"] == {"all_reduce": dp["buckets"]}
+    assert sum(out["broadcast variant"]["sent_per_step"].values()) == pytest.approx(3 * (n - 1) / n * psi)
+
+
+def sharded_vs_one_process(rank, world_size):
+    """A rank function for the test below: labkit's ShardedOptimizer with SGD and with AdamW on an MLP whose
+    parameter count (49) is not a multiple of 2, 3 or 4, against the unsharded optimizer on the whole batch."""
+    import copy
+
+    from labkit.dist import CommMeter, ShardedOptimizer
+    from labkit.train import AdamW
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1), torch.nn.Linear(1, 6))
+    x, y = torch.randn(12, 5), torch.randn(12, 6)
+    rows = slice(rank * 12 // world_size, (rank + 1) * 12 // world_size)
+    out = {"numel": sum(p.numel() for p in base.parameters())}
+    for name, cls, kwargs in (("SGD", torch.optim.SGD, {"lr": 0.3}), ("AdamW", AdamW, {"lr": 1e-2, "eps": 1e-3})):
+        model, reference = copy.deepcopy(base), copy.deepcopy(base)
+        sharded, single = ShardedOptimizer(model.parameters(), cls, **kwargs), cls(reference.parameters(), **kwargs)
+        with CommMeter() as meter:
+            for _ in range(3):
+                sharded.zero_grad()
+                torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+                sharded.step()
+        for _ in range(3):
+            single.zero_grad()
+            torch.nn.functional.mse_loss(reference(x), y).backward()
+            single.step()
+        out[name] = {"diff": max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())),
+                     "sent": dict(meter.sent), "calls": dict(meter.calls), "shard": sharded.master_shard.numel(),
+                     "padded": sharded.padded, "moved": max((p - q).abs().max().item() for p, q in zip(model.parameters(), base.parameters()))}
+    errors = []
+    for bad in ([base[0].weight.to(torch.bfloat16), base[2].weight], [{"params": list(base.parameters())}], []):
+        try:
+            ShardedOptimizer(bad, torch.optim.SGD, lr=0.1)
+        except (TypeError, ValueError) as err:
+            errors.append(str(err))
+    out["errors"] = errors
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_optimizer_is_the_papers_zero1(world):
+    results = launch(sharded_vs_one_process, world_size=world, backend="gloo", timeout=120, quiet=True)
+    numel = results[0]["numel"]
+    padded, shard = flat_shard_layout(numel, world)
+    assert numel % world and padded > numel  # the flat buffer is padded
+    for rank in range(world):
+        for name in ("SGD", "AdamW"):
+            out = results[rank][name]
+            assert out["moved"] > 1e-3 and out["diff"] < 1e-6, (rank, name, out)  # it trained, like one process
+            assert out["shard"] == shard and out["padded"] == padded
+            assert out["calls"] == {"reduce_scatter": 3, "all_gather": 3}
+            assert sum(out["sent"].values()) == pytest.approx(3 * 2 * (world - 1) / world * 4 * padded)
+        assert "one dtype" in results[rank]["errors"][0] and "groups" in results[rank]["errors"][1]
+        assert "at least one" in results[rank]["errors"][2]
+
+
+def test_flat_shard_layout_pads_to_a_multiple_of_the_world():
+    assert flat_shard_layout(10, 4) == (12, 3) and flat_shard_layout(12, 4) == (12, 3) and flat_shard_layout(2, 3) == (3, 1)
+    assert flat_shard_layout(0, 3) == (0, 0) and flat_shard_layout(7, 1) == (7, 7)
+    for bad in [(5, 0), (-1, 2), (2.0, 2), (True, 2)]:
+        with pytest.raises(ValueError):
+            flat_shard_layout(*bad)
+
+
+def test_bucket_parameters_groups_in_reverse_up_to_the_limit():
+    params = [torch.zeros(n) for n in (100, 300, 50, 2000, 10)]  # fp32: 400, 1200, 200, 8000, 40 bytes
+    buckets = bucket_parameters(params, 1500 / 2**20)
+    assert [[p.numel() for p in b] for b in buckets] == [[10], [2000], [50, 300], [100]]
+    assert all(p is q for p, q in zip([p for b in buckets for p in b], reversed(params)))
+    assert len(bucket_parameters(params, 25)) == 1
+    for bad in (0, -1, "1", True):
+        with pytest.raises(ValueError, match="bucket_size_mb"):
+            bucket_parameters(params, bad)
+
+
+def test_the_meter_lives_in_dist_and_chapter_08_still_has_it():
+    import labkit.parallel
+
+    assert labkit.parallel.CommMeter is labkit.dist.CommMeter
+    assert labkit.parallel.collective_bytes_sent is labkit.dist.collective_bytes_sent
 
 
 def test_fsdp_loss_matches_unsharded(demos):
@@ -341,6 +438,7 @@ def test_allreduce_cost_model():
 
 def test_gradient_collective():
     assert gradient_collective("ddp") == "all_reduce"
+    assert gradient_collective("zero1") == "reduce_scatter"  # the ZeRO paper's ZeRO-1, labkit's ShardedOptimizer
     assert gradient_collective("zero2") == "reduce_scatter"
     with pytest.raises(ValueError, match="strategy"):
         gradient_collective("tp")

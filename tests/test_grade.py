@@ -179,7 +179,7 @@ def test_channel_waits_are_sliced_so_a_missed_wake_up_costs_a_second():
     import queue
     import time
 
-    from labkit.grade import _sliced_waits
+    from labkit.execute import sliced_waits
 
     waits = []
 
@@ -189,7 +189,7 @@ def test_channel_waits_are_sliced_so_a_missed_wake_up_costs_a_second():
             raise queue.Empty
         return {"msg_type": "execute_reply"}
 
-    assert asyncio.run(_sliced_waits(get_msg, step_s=0.01)(timeout=None)) == {"msg_type": "execute_reply"}
+    assert asyncio.run(sliced_waits(get_msg, step_s=0.01)(timeout=None)) == {"msg_type": "execute_reply"}
     assert waits == [0.01, 0.01, 0.01]
 
     async def never(timeout=None):
@@ -198,5 +198,5 @@ def test_channel_waits_are_sliced_so_a_missed_wake_up_costs_a_second():
 
     start = time.monotonic()
     with pytest.raises(queue.Empty):
-        asyncio.run(_sliced_waits(never, step_s=0.02)(timeout=0.1))
+        asyncio.run(sliced_waits(never, step_s=0.02)(timeout=0.1))
     assert time.monotonic() - start < 1.0

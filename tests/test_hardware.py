@@ -417,3 +417,24 @@ def test_train_epoch_learns():
     for _ in range(20):
         last = H.train_epoch(model, batches, lr=0.1)
     assert last < first / 10
+
+
+@pytest.mark.skipif(not H.CoreCompetitor.available(), reason="needs os.sched_setaffinity (Linux)")
+def test_a_competitor_on_the_same_core_slows_a_loop_and_leaves_nothing_behind():
+    import os
+
+    cores = os.sched_getaffinity(0)
+    sample = torch.randn(200, 64)
+    with H.CoreCompetitor() as rival:
+        assert len(os.sched_getaffinity(0)) == 1 and os.sched_getaffinity(rival._process.pid) == os.sched_getaffinity(0)
+
+        def beside():
+            rival.resume()
+            try:
+                H.softmax_rows_loop(sample)
+            finally:
+                rival.pause()
+
+        both = H.compare(lambda: H.softmax_rows_loop(sample), beside, repeats=5)
+    assert 1 / both.speedup > 1.3  # two programs share one core: about 2x
+    assert os.sched_getaffinity(0) == cores and rival._process.poll() is not None

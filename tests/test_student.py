@@ -16,7 +16,7 @@ import pytest
 
 import labkit.checks
 from labkit.student import (BEGIN, NOT_ANSWERED, POINTS, chapter_paths, exercise_text, make_student_notebook,
-                            placeholder, skeleton, strip_solutions, student_notebook)
+                            placeholder, skeleton, split_cell_magic, strip_solutions, student_notebook)
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = chapter_paths(ROOT / "notebooks")
@@ -80,6 +80,22 @@ def test_a_method_skeleton_names_its_class_and_the_class_gets_the_docstring():
     assert "write Layer.__init__ (Exercise 1 above says what it must do)" in out and "self.n = n" in out
 
 
+def test_a_writefile_cell_keeps_its_magic_and_gets_a_skeleton():
+    text = ("%%writefile {folder}/my_ddp.py\nimport torch\n\n\nclass DDP:\n    def step(self):\n        # BEGIN SOLUTION\n"
+            "        return 1\n        # END SOLUTION\n")
+    out = skeleton(text, exercise_text([{"cell_type": "markdown", "source": "**Exercise 4.** Write `DDP`."}], 1))
+    magic, body = split_cell_magic(out)
+    assert magic == "%%writefile {folder}/my_ddp.py\n" and body.startswith("import torch")
+    assert ast.get_docstring(ast.parse(body).body[1]) == "Write `DDP`."
+    assert "write DDP.step (Exercise 4 above says what it must do)" in body and "return 1" not in body
+    assert split_cell_magic("x = 1") == ("", "x = 1")
+    notebook = {"metadata": {}, "cells": [{"cell_type": "markdown", "metadata": {}, "source": "**Exercise 4.** Write `DDP`."},
+                                          {"cell_type": "code", "metadata": {}, "source": text, "outputs": []}]}
+    student, exercises = student_notebook(notebook, "07_x")
+    assert student["cells"][1]["source"] == out and student["cells"][1]["metadata"]["nbgrader"]["solution"]
+    assert exercises == []  # the grader call sits in a cell of its own
+
+
 def test_the_placeholder_makes_the_grader_explain():
     namespace = {}
     exec(strip_solutions("def my_get_batch(dataset, batch_size, context_length, device):\n"
@@ -104,7 +120,7 @@ def test_every_chapter_has_skeletons_and_locked_graders(path, tmp_path):
     assert solutions and graders
     for cell in solutions:
         assert cell.metadata.nbgrader.locked is False and NOT_ANSWERED in cell.source
-        tree = ast.parse(cell.source)  # a skeleton is valid Python with a docstring on what it defines
+        tree = ast.parse(split_cell_magic(cell.source)[1])  # valid Python (below a %%writefile line) with docstrings
         assert all(ast.get_docstring(n) for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)))
     for cell in graders:
         meta = cell.metadata.nbgrader

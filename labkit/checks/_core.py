@@ -41,10 +41,12 @@ def assert_close(got: torch.Tensor, expected: torch.Tensor, tried: str, hint: st
     g, e = got.detach().double().cpu(), expected.detach().double().cpu()
     if torch.isnan(g).any() and not torch.isnan(e).any():
         fail(tried, "NaN in the output", "finite values", hint)
-    if not torch.allclose(g, e, rtol=rtol, atol=atol, equal_nan=True):
-        diff = (g - e).abs()
-        idx = tuple(int(i) for i in torch.nonzero(diff == diff.nan_to_num(0).max())[0]) if diff.numel() else ()
-        fail(tried, f"{g[idx].item():.6g} at index {idx}", f"{e[idx].item():.6g} (max abs error {diff.nan_to_num(0).max().item():.3g})", hint)
+    wrong = ~torch.isclose(g, e, rtol=rtol, atol=atol, equal_nan=True)
+    if wrong.any():
+        # an infinity where a finite value belongs (or the other sign of it) is the largest error there is
+        diff = torch.where(wrong, (g - e).abs().nan_to_num(nan=float("inf")), torch.zeros_like(g))
+        idx = tuple(int(i) for i in torch.nonzero(diff == diff.max())[0])
+        fail(tried, f"{g[idx].item():.6g} at index {idx}", f"{e[idx].item():.6g} (max abs error {diff.max().item():.3g})", hint)
 
 
 def passed(name: str, detail: str) -> None:
@@ -173,3 +175,53 @@ def expect_differentiable(out: torch.Tensor, name: str, tried: str, hint: str) -
     if not out.requires_grad:
         fail(tried, f"{name} with requires_grad=False (no autograd graph back to the inputs)",
              f"a {name} that .backward() can flow through", hint)
+
+
+# ----------------------------------------------------------------------------- graders of learners' Triton kernels
+def kernel_device(name: str) -> str | None:
+    """Where the learner's Triton code runs here: ``"cuda"`` when Triton compiles, ``"cpu"`` under its
+    interpreter; ``None`` (after saying so) where Triton is not installed, so that the grader skips and the
+    chapter goes on."""
+    from labkit.runtime import triton_installed, triton_mode
+
+    if not triton_installed():
+        print(f"– {name}: not graded here: Triton is not installed (it ships Linux wheels only); run this chapter "
+              "on Linux (a CPU is enough: kernels then run in Triton's interpreter)")
+        return None
+    return "cuda" if triton_mode() == "compiled" else "cpu"
+
+
+def expect_jit_kernel(kernel, name: str) -> None:
+    from triton.runtime.jit import KernelInterface
+
+    if not isinstance(kernel, KernelInterface):
+        fail(f"{name}: checking what was passed", f"a {type(kernel).__name__}", "a @triton.jit function",
+             "decorate the kernel with @triton.jit and pass the decorated function itself (not a call of it)")
+
+
+def _not_implemented_in(err: BaseException) -> NotImplementedError | None:
+    """The ``NotImplementedError`` raised in the learner's kernel that caused ``err``, if one did: the
+    interpreter wraps it (as a cause), a compile error on the GPU quotes the kernel's source line."""
+    seen = err
+    while seen is not None:
+        if isinstance(seen, NotImplementedError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    if "NotImplementedError" in str(err):
+        return NotImplementedError("not answered yet: the kernel still raises NotImplementedError")
+    return None
+
+
+def call_kernel(launch, tried: str, *args, hint: str):
+    """:func:`call` for a launcher of the learner's ``@triton.jit`` code: an error that the kernel's
+    ``raise NotImplementedError`` caused counts as "not answered yet", like in a plain function."""
+    def unwrapped(*launch_args):
+        try:
+            return launch(*launch_args)
+        except NotImplementedError:
+            raise
+        except Exception as err:  # the learner's kernel may fail to compile or run in any way
+            if (cause := _not_implemented_in(err)) is not None:
+                raise NotImplementedError(str(cause)) from err
+            raise
+    return call(unwrapped, tried, *args, hint=hint)

@@ -1,4 +1,5 @@
-"""Chapter 01 graders: decode an FP8 byte, the range of a format, one loss-scale decision, an FP8 scale."""
+"""Chapter 01 graders: decode an FP8 byte, the range of a format, one loss-scale decision, an FP8 scale,
+MX block quantization."""
 from __future__ import annotations
 
 import math
@@ -6,10 +7,11 @@ import random
 
 import torch
 
+from labkit import block_formats as B
 from labkit import precision as P
-from labkit.checks._core import call, call_on_copies, fail, other_device, passed
+from labkit.checks._core import call, call_on_copies, call_twice, expect_device, expect_dtype, fail, other_device, passed
 
-__all__ = ["decode_e4m3", "format_range", "update_scale", "amax_scale"]
+__all__ = ["decode_e4m3", "format_range", "update_scale", "amax_scale", "mx_quantize"]
 
 
 NO_RETURN_HINT = "your function returned None: replace the placeholder with your code and `return` the result"
@@ -222,3 +224,117 @@ def amax_scale(fn) -> None:
             fail(tried, got, expected, hint)
     passed("amax_scale", "per-tensor scales right for every format, fp32/fp16/bf16 and rank-1 to rank-5 inputs, "
                         "with margin, zeros, inf/NaN entries and tiny or huge values")
+
+
+# ----------------------------------------------------------------------------- MX block quantization
+MX_ROUND_UP_HINT = ("round the scale UP to a power of two: scale = 2^ceil(log2(amax / max)) with max the element "
+                    "format's largest value; a smaller power of two makes amax / scale exceed max, and those entries clip")
+
+
+def _mx_cases(g: torch.Generator) -> list[tuple[torch.Tensor, str, str]]:
+    """(x, fmt, what the case is about), ordered so that the first failure names the basic mistake."""
+    def spread(*shape):
+        return torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-6, 6, (*shape[:-1], 1), generator=g).float())
+
+    negative = spread(2, 64)
+    negative[0, 3], negative[1, 40] = -50.0, -0.5  # blocks whose largest magnitude is a negative entry
+    negative[1, 32:64] = negative[1, 32:64].abs() * 0.01
+    boundary = spread(3, 96)
+    boundary[:, 0] = torch.tensor([448.0, 6.0, 1.5 * 2.0**-20])  # amax exactly max x 2^j in some blocks
+    boundary[:, 32] = torch.tensor([3.0 * 2.0**-4, 28.0 * 2.0**5, 7.5])
+    zeros = spread(2, 3, 64)
+    zeros[0, 1, :32] = 0.0  # an all-zero block
+    tiny = spread(2, 64)
+    tiny[1, 32:] = tiny[1, 32:] * 1e-38  # amax / max below 2^-127: E8M0's smallest scale
+    cases = [(spread(4, 64) * 3, "mxfp8_e4m3", "a 4x64 fp32 tensor (2 blocks per row)"),
+             (negative, "mxfp8_e4m3", "blocks whose largest magnitude is a negative entry"),
+             (spread(3, 128), "mxfp4_e2m1", "MXFP4 (E2M1 elements, max 6)")]
+    cases += [(spread(rows, 32 * blocks), name, f"{name}, {rows} rows of {blocks} blocks")
+              for name, rows, blocks in [("mxfp8_e5m2", 5, 3), ("mxfp6_e3m2", 2, 4), ("mxfp6_e2m3", 6, 2)]]
+    cases += [(boundary, name, "blocks whose amax is exactly the element max times a power of two") for name in B.MX_FORMATS]
+    cases += [(zeros, "mxfp6_e2m3", "a rank-3 tensor with an all-zero block (its scale is 1)"),
+              (spread(3, 2, 5, 96).bfloat16(), "mxfp8_e4m3", "a rank-4 bf16 tensor"),
+              (spread(7, 160).half(), "mxfp4_e2m1", "an fp16 tensor"),
+              (spread(256), "mxfp6_e3m2", "a rank-1 tensor of 8 blocks"),
+              (spread(2, 64) * 1e30, "mxfp8_e4m3", "huge values (|x| ~ 1e30)"),
+              (tiny, "mxfp8_e4m3", "a block so small that amax / max < 2^-127")]
+    return cases
+
+
+def _mx_scale_hint(x: torch.Tensor, fmt: str, got: torch.Tensor) -> str:
+    """Name the mistake that produces ``got``, if it is one of the typical ones; else the rule."""
+    f = B.get_block_format(fmt)
+    element = f.element_format
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    amax = blocks.abs().amax(-1)
+    signed_max = blocks.amax(-1).clamp(min=0)
+
+    def same(candidate):
+        return candidate.shape == got.shape and torch.equal(candidate.to(got.dtype), got.detach().cpu())
+
+    if same(B.e8m0_scale(amax, f, "ocp")) or same(B.e8m0_scale(amax, f, "down")):
+        return MX_ROUND_UP_HINT
+    if same(B.e8m0_scale(signed_max, f)):
+        return "amax is the largest MAGNITUDE in the block: take x.abs() before the max (a negative entry can be the largest)"
+    if same(torch.exp2(torch.ceil(torch.log2(amax))).where(amax > 0, 1.0)) or same(B.e8m0_scale(amax * element.max, f)):
+        return (f"divide amax by the element format's max ({element.max:g} for {element.name}) before taking log2, so "
+                "that amax / scale lands at the top of the element range, not at 1")
+    if got.numel() and torch.unique(got).numel() == 1 and torch.unique(B.e8m0_scale(amax, f)).numel() > 1:
+        return "one scale per block of 32 consecutive values along the last dim, not one for the whole tensor"
+    if (amax == 0).any() and not same(B.e8m0_scale(amax, f)) and not torch.isfinite(got).all():
+        return "an all-zero block has amax 0 (log2(0) = -inf): give it scale 1"
+    if ((got < 2.0**-127) & (amax > 0)).any():
+        return "E8M0 scales go down to 2^-127 and no further: clamp the exponent to [-127, 127] (2^-127 is a float32 subnormal, not 0)"
+    reference = B.e8m0_scale(amax, f)
+    boundary = (amax > 0) & (amax == reference * element.max)  # amax / max exactly a power of two
+    differ = got.detach().cpu() != reference
+    if differ.any() and (differ <= boundary).all() and torch.equal(got.detach().cpu()[differ], 2 * reference[differ]):
+        return ("where amax / max is exactly a power of two 2^j, the scale is 2^j itself (ceil(j) = j): "
+                "floor(log2(...)) + 1 is one binade too large there")
+    if (amax == 0).any():
+        return "an all-zero block gets scale 1; every other block 2^ceil(log2(amax / max)), clamped to [-127, 127]"
+    return ("per block of 32 consecutive values along the last dim: scale = 2^ceil(log2(amax / max)) (max: the element "
+            "format's largest value), clamped to [2^-127, 2^127]")
+
+
+def mx_quantize(fn) -> None:
+    """Grade ``fn(x, fmt) -> (values, scales)``: MX quantization of ``x`` (shape ``[..., K]``, K a
+    multiple of 32; fp32/bf16/fp16) in an MX format ``fmt`` ("mxfp8_e4m3", ..., "mxfp4_e2m1"):
+    ``scales`` (float32, ``[..., K // 32]``) the E8M0 power-of-two scales rounded up,
+    ``2^ceil(log2(amax / max))`` clamped to ``[2^-127, 2^127]`` (1 for an all-zero block), and
+    ``values`` (float32, ``x``'s shape) ``x / scale`` rounded to the element format (nearest even,
+    saturating), compared with :func:`labkit.block_formats.mx_quantize` bit for bit."""
+    g = torch.Generator().manual_seed(16)
+    cases = _mx_cases(g)
+    device = other_device(None)
+    if device is not None:
+        cases.append((torch.randn(4, 64, generator=g).to(device), "mxfp4_e2m1", f"x on {device}"))
+    for x, fmt, about in cases:
+        tried = f"mx_quantize(x of shape {tuple(x.shape)} in {x.dtype}{' on ' + str(x.device) if x.device.type != 'cpu' else ''}, {fmt!r}): {about}"
+        values, scales = call_twice(fn, tried, (x, fmt), ("values", "scales"),
+                                    mutation_hint="do not change x (x.abs_(), x /= scale, ...): work on x.abs() or a copy")
+        ref_values, ref_scales = B.mx_quantize(x, fmt)
+        for name, got, expected in (("scales", scales, ref_scales), ("values", values, ref_values)):
+            if got.shape != expected.shape:
+                fail(tried, f"{name} of shape {tuple(got.shape)}", f"{name} of shape {tuple(expected.shape)}",
+                     "scales has one entry per block of 32 along the last dim: shape [..., K // 32]; values has x's shape")
+            expect_dtype(got, torch.float32, name, tried, "return float32 tensors (P.round_to gives float64: add .float())")
+            expect_device(got, x.device, name, tried)
+        got_scales = scales.detach().cpu()
+        if not torch.equal(got_scales, ref_scales.cpu()):
+            bad = (got_scales != ref_scales.cpu()).nonzero()[0]
+            fail(tried, f"scales{tuple(bad.tolist())} = {got_scales[tuple(bad)].item():.6g}",
+                 f"{ref_scales.cpu()[tuple(bad)].item():.6g} (block amax {B.block_amax(x, (1, 32)).cpu()[tuple(bad)].item():.6g})",
+                 _mx_scale_hint(x.cpu(), fmt, got_scales))
+        got_values = values.detach().cpu()
+        if not torch.equal(got_values, ref_values.cpu()):
+            bad = (got_values != ref_values.cpu()).nonzero()[0]
+            scale = ref_scales.cpu()[tuple(bad[:-1].tolist()) + (int(bad[-1]) // 32,)].item()
+            unrounded = (x.float().cpu() / B.expand_scales(ref_scales.cpu(), fmt, tuple(x.shape)))
+            hint = ("round x / scale to the element format: P.round_to(x / scale, element, saturate=True)"
+                    if torch.equal(got_values, unrounded) else
+                    "values are x / scale (in float32) rounded to the element format, nearest even: P.round_to(..., saturate=True)")
+            fail(tried, f"values{tuple(bad.tolist())} = {got_values[tuple(bad)].item():.6g}",
+                 f"{ref_values.cpu()[tuple(bad)].item():.6g} (x = {x.float().cpu()[tuple(bad)].item():.6g}, scale {scale:.6g})", hint)
+    passed("mx_quantize", f"scales and element values bit for bit on {len(cases)} cases: every MX element format, "
+                          "fp32/bf16/fp16, rank 1 to 4, negative, exact-boundary, all-zero, tiny and huge blocks")

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import torch
 
-from labkit.checks._core import (as_tensor, assert_close, call, call_on_copies, expect_device, expect_differentiable, fail,
-                                 other_device, passed)
+from labkit.checks._core import (as_tensor, assert_close, call, call_kernel, call_on_copies, expect_device, expect_differentiable,
+                                 expect_jit_kernel, fail, kernel_device, other_device, passed, same_values)
+from labkit.norms import launch_rmsnorm_kernel
 
-__all__ = ["rmsnorm", "reduction_dims", "rmsnorm_backward", "softmax"]
+__all__ = ["rmsnorm", "reduction_dims", "rmsnorm_backward", "rmsnorm_kernel", "softmax"]
 
 
 def _rmsnorm_expected(x, weight, eps):
@@ -167,3 +168,161 @@ def softmax(fn) -> None:
         assert_close(got, expected, tried, hint, **tol)
     passed("softmax", "right axis on ranks 2-5, stable for huge fp32 and fp16 logits, masked entries get 0, "
                       "output in x's dtype, x unchanged")
+
+
+# ----------------------------------------------------------------------------- the Triton RMSNorm kernel
+def _short(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+
+
+POISON, SENTINEL = float("nan"), 12.5  # read beyond a row: NaN; the output's padding must keep 12.5
+
+
+def _poisoned(values: torch.Tensor, row_stride: int, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(buffer, view)``: ``values`` ``[rows, width]`` stored with ``row_stride`` (>= width) in a buffer
+    whose padding between and after the rows holds ``fill``."""
+    rows, width = values.shape
+    buffer = torch.full(((rows - 1) * row_stride + width + 64,), fill, dtype=values.dtype, device=values.device)
+    view = buffer.as_strided((rows, width), (row_stride, 1))
+    view.copy_(values)
+    return buffer, view
+
+
+def _kernel_cases(device: str, gen: torch.Generator):
+    """(what, x, weight, eps, x_row_stride, y_row_stride, hint): ragged widths (1, odd, 1025 with a 2048-lane
+    block), x rows with padding (a slice of wider rows, every other row), fp32/fp16/bf16 (a bf16 x with an fp32
+    weight), fp16 values whose squares overflow, an eps-dominated row, a long bf16 row."""
+    specs = [  # rows, width, dtype, weight dtype, eps, |x| scale, x row stride (None: contiguous), y row stride
+        (4, 8, torch.float32, None, 1e-5, 1.0, None, None),
+        (3, 1, torch.float32, None, 1e-5, 1.0, 3, 2),
+        (5, 33, torch.float16, None, 1e-5, 1.0, 40, 35),
+        (6, 100, torch.bfloat16, None, 1e-6, 1.0, 200, 100),
+        (3, 1025, torch.float32, None, 1e-5, 1.0, None, 1030),
+        (2, 40, torch.float16, None, 1e-5, 300.0, 41, 40),
+        (4, 24, torch.bfloat16, torch.float32, 1e-5, 1.0, 30, 24),
+        (3, 3000, torch.bfloat16, None, 1e-5, 1.0, 3001, 3000),
+    ]
+    cases = []
+    for rows, width, dtype, wdtype, eps, scale, x_stride, y_stride in specs:
+        x = ((torch.randn(rows, width, generator=gen) * 2 + 1) * scale).to(dtype).to(device)
+        weight = (torch.rand(width, generator=gen) + 0.5).to(wdtype or dtype).to(device)
+        layout = "contiguous rows" if x_stride is None else f"row stride {x_stride}"
+        what = (f"x [{rows}, {width}] {_short(dtype)} ({layout}{f', |x| ~ {scale:g}' if scale > 1 else ''}), "
+                f"weight {_short(weight.dtype)}, eps={eps}")
+        cases.append((what, x, weight, eps, x_stride or width, y_stride or width))
+    tiny = (torch.full((2, 6), 1e-3) * torch.randn(2, 6, generator=gen).sign()).to(device)
+    cases.append(("x [2, 6] fp32 with entries of size 1e-3 (mean(x^2) = 1e-6), weight ones, eps=0.01",
+                  tiny, torch.ones(6, device=device), 1e-2, 8, 6))
+    return cases
+
+
+def _run_rows(kernel, tried: str, x, weight, eps, x_stride: int, y_stride: int, fill: float) -> torch.Tensor:
+    """Launch ``kernel`` on ``x`` stored with ``x_stride`` in a buffer padded with ``fill`` (weight too) into a
+    ``y`` padded with :data:`SENTINEL`; fail if it writes outside y's rows or changes x or weight; return y."""
+    x_buffer, x_rows = _poisoned(x, x_stride, fill)
+    w_buffer, w_view = _poisoned(weight[None, :], weight.shape[0], fill)
+    y_buffer, y_rows = _poisoned(torch.full_like(x, SENTINEL), y_stride, SENTINEL)
+    x_before, w_before = x_buffer.clone(), w_buffer.clone()
+    call_kernel(launch_rmsnorm_kernel, tried, kernel, x_rows, w_view[0], y_rows, eps,
+                hint="run the launch yourself and read the traceback: the kernel's parameters are (X, W, Y, "
+                     "x_row_stride, y_row_stride, n_cols, eps, BLOCK_SIZE: tl.constexpr)")
+    if not same_values(x_buffer, x_before) or not same_values(w_buffer, w_before):
+        fail(tried, "x or weight changed by the kernel", "the inputs left as they were",
+             "store only through Y: the kernel must not write to X or W")
+    outside = torch.ones_like(y_buffer, dtype=torch.bool)
+    outside.as_strided(y_rows.shape, y_rows.stride()).fill_(False)
+    if not (y_buffer[outside] == SENTINEL).all():
+        fail(tried, "values written past the end of a row of Y (the lanes >= n_cols of the block)",
+             "only the n_cols entries of each row written",
+             "BLOCK_SIZE is the next power of two >= n_cols, so the last lanes are padding: pass mask=cols < n_cols "
+             "to tl.store as well as to tl.load")
+    return y_rows.float()
+
+
+def _check_rows(kernel, tried: str, x, weight, eps, x_stride: int, y_stride: int) -> None:
+    got = _run_rows(kernel, tried, x, weight, eps, x_stride, y_stride, POISON)
+    sixteen = x.dtype in (torch.float16, torch.bfloat16)
+    if torch.isnan(got).any():
+        if torch.isfinite(_run_rows(kernel, tried, x, weight, eps, x_stride, y_stride, 0.0)).all():
+            fail(tried, "NaN in the output (finite when the memory after each row holds 0 instead of NaN)",
+                 "finite values whatever lies beyond the rows",
+                 "the kernel reads past the row: load x and weight with mask=cols < n_cols and other=0.0, so padded "
+                 "lanes read 0 and add nothing to the sum of squares; and step from row to row by x_row_stride "
+                 "(rows need not be contiguous), not by n_cols")
+        fail(tried, "NaN in the output (also with zeros after each row)", "finite values",
+             "upcast right after loading with .to(tl.float32) and compute in fp32 (16-bit products and sums lose "
+             "precision, and Triton's CPU interpreter computes bf16 arithmetic wrongly)" if sixteen else
+             "look for 0/0 or sqrt of a negative number: y = x / sqrt(sum(x*x) / n_cols + eps) * w")
+    if (sixteen and torch.isinf(got).any()) or (x.dtype == torch.float16 and (got == 0).all()):
+        fail(tried, "inf or 0 in the output", "finite values",
+             "x**2 overflows 16 bits (fp16 max 65504): upcast right after loading with .to(tl.float32)")
+    # one rounding of the fp32 result to 16 bits (the interpreter truncates bf16: up to one unit in the last place)
+    tol = dict(rtol=8e-3, atol=1e-5) if x.dtype == torch.bfloat16 else dict(rtol=1e-3, atol=1e-5) if sixteen \
+        else dict(rtol=1e-5, atol=1e-6)
+    hint = ("y = x / sqrt(sum(x*x) / n_cols + eps) * w with the sum over the n_cols real entries (not BLOCK_SIZE), "
+            "eps inside the square root, the weight loaded with the same mask, and the math in fp32 "
+            "(.to(tl.float32) after each load; 16-bit products and sums lose precision)")
+    assert_close(got, _rmsnorm_expected(x, weight, eps).float(), tried + " -> y", hint, **tol)
+
+
+def _address_space(numel: int, dtype: torch.dtype, device: str):
+    """A tensor of ``numel`` elements of which only the pages written are ever backed by memory: on the CPU a
+    mapping of a sparse temporary file (no machine refuses it), on a GPU a plain allocation (None if it does not
+    fit)."""
+    if device != "cpu":
+        try:
+            return torch.empty(numel, dtype=dtype, device=device)
+        except torch.OutOfMemoryError:
+            return None
+    import os
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(prefix="labkit-offsets-") as backing:
+        os.truncate(backing.name, numel * torch.empty((), dtype=dtype).element_size())
+        return torch.from_file(backing.name, shared=True, size=numel, dtype=dtype)  # the mapping outlives the name
+
+
+def _overflow_case(kernel, device: str, gen: torch.Generator) -> None:
+    """Rows 2**30 elements apart: row 2 starts at element 2**31, past int32. A kernel that computes
+    ``row * x_row_stride`` in int32 wraps to 2**31 elements *before* X; the buffer reaches there too (NaN),
+    so the wrong read returns NaN instead of crashing. 8 GiB of address space, a few pages touched (skipped
+    only on a GPU without 8 GiB free)."""
+    stride, width = 2**30, 64
+    big = _address_space(2 * 2**31 + width, torch.bfloat16, device)
+    if big is None:
+        return
+    x = (torch.randn(3, width, generator=gen) + 0.5).to(torch.bfloat16).to(device)
+    weight = (torch.rand(width, generator=gen) + 0.5).to(torch.bfloat16).to(device)
+    big[:width] = POISON
+    x_rows = big[2**31:].as_strided((3, width), (stride, 1))
+    x_rows.copy_(x)
+    y = torch.full((3, width), SENTINEL, dtype=torch.bfloat16, device=device)
+    tried = f"rmsnorm_kernel on x [3, {width}] bf16 with row stride 2**30 (row 2 starts 2**31 elements after X)"
+    call_kernel(launch_rmsnorm_kernel, tried, kernel, x_rows, weight, y, 1e-5, hint="run the launch yourself")
+    if not torch.isfinite(y.float()).all() or not torch.allclose(y.float(), _rmsnorm_expected(x, weight, 1e-5).float(),
+                                                                rtol=8e-3, atol=1e-5):
+        fail(tried, "a wrong (NaN) row 2", "row 2 normalized like the others",
+             "row * x_row_stride = 2**31 overflows int32 and wraps to a negative offset: make the row index int64 "
+             "first, tl.program_id(0).to(tl.int64)")
+
+
+def rmsnorm_kernel(kernel) -> None:
+    """Grade a ``@triton.jit`` RMSNorm forward ``kernel(X, W, Y, x_row_stride, y_row_stride, n_cols, eps,
+    BLOCK_SIZE: tl.constexpr)``, launched by :func:`labkit.norms.launch_rmsnorm_kernel` (one program per row,
+    ``BLOCK_SIZE`` the next power of two >= ``n_cols``): ragged widths (1, 33, 1025), padded rows (row stride !=
+    width), fp32/fp16/bf16, fp16 values whose squares overflow, an eps-dominated row; NaN after each row of ``x``
+    and of ``weight`` (an unmasked load reads it), a sentinel after each row of ``y`` (an unmasked store
+    overwrites it); a row 2**31 elements into X (int32 offsets wrap)."""
+    device = kernel_device("rmsnorm_kernel")
+    if device is None:
+        return
+    expect_jit_kernel(kernel, "rmsnorm_kernel")
+    gen = torch.Generator().manual_seed(5)
+    cases = _kernel_cases(device, gen)
+    for what, x, weight, eps, x_stride, y_stride in cases:
+        _check_rows(kernel, f"rmsnorm_kernel on {what}, y row stride {y_stride}", x, weight, eps, x_stride, y_stride)
+    _overflow_case(kernel, device, gen)
+    passed("rmsnorm_kernel", f"matches the reference on {len(cases)} launches: widths 1 to 3000 (1025 in a 2048-lane "
+                             f"block), padded rows, fp32/fp16/bf16, fp16 squares that overflow, an eps-dominated row, "
+                             f"masked tails (NaN past each row, Y's padding untouched); int64 row offsets (a row 2**31 "
+                             f"elements in)")

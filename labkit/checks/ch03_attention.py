@@ -6,11 +6,11 @@ from torch.overrides import TorchFunctionMode
 
 from labkit import attention as _attention
 from labkit import nn as _nn
-from labkit.checks._core import (as_tensor, assert_close, call, call_on_copies, call_twice, expect_device, expect_dtype, fail,
-                                 other_device, passed, results)
+from labkit.checks._core import (as_tensor, assert_close, call, call_kernel, call_on_copies, call_twice, expect_device, expect_dtype,
+                                 expect_jit_kernel, fail, kernel_device, other_device, passed, results)
 from labkit.model import PRESETS, ModelConfig
 
-__all__ = ["causal_mask", "flash_attention_torch", "kv_bytes_per_token", "online_softmax_update"]
+__all__ = ["causal_mask", "flash_attention_torch", "flash_attention_triton", "kv_bytes_per_token", "online_softmax_update"]
 
 
 def causal_mask(fn) -> None:
@@ -223,3 +223,87 @@ def flash_attention_torch(fn) -> None:
                  "Nq x Nk matrix")
     passed("flash_attention_torch", "ragged lengths, Nq < Nk and Nq > Nk with the bottom-right mask, GQA and MQA, large "
                                     "scores, fp16/bf16, explicit scale, blocks longer than the sequence, no full score matrix")
+
+
+# (what, B, Hq, Hkv, Nq, Nk, D, causal, |q|,|k| scale, dtype, scale, what this case adds and the hint for it)
+_TRITON_CASES = [
+    ("one key block", 1, 2, 2, 64, 64, 16, False, 1.0, torch.float32, None,
+     "multiply the scores by sm_scale * log2(e) = sm_scale * 1.4426950408889634 and exponentiate with tl.exp2 "
+     "(2**(x * log2 e) = e**x); use sm_scale as it is given (1/sqrt(D) or the caller's scale)"),
+    ("three full key blocks", 1, 2, 2, 64, 192, 16, False, 2.0, torch.float32, None,
+     "when a block raises the running max, rescale what was summed so far: alpha = tl.exp2(m_i - m_new), "
+     "l_i = l_i * alpha + sum(p), acc = acc * alpha[:, None] + p @ v; and return the new max"),
+    ("a ragged last key block (Nk = 150: keys 150..191 are zero padding)", 1, 2, 2, 40, 150, 16, False, 1.0,
+     torch.float32, None,
+     "in a MASKED block, keys offs_n >= seq_k are padding (loaded as zeros, score 0, not -inf): set their scores "
+     "to -inf with tl.where before the max"),
+    ("causal, Nq = Nk", 1, 2, 2, 100, 100, 16, True, 1.0, torch.float32, None,
+     "when CAUSAL, query offs_m[i] sees key offs_n[j] only if offs_n[j] <= offs_m[i] + causal_offset; "
+     "the other scores of a MASKED block get -inf"),
+    ("causal with fewer queries than keys (Nq = 20, Nk = 150)", 1, 2, 2, 20, 150, 16, True, 1.0, torch.float32, None,
+     "the causal mask is bottom-right aligned: the queries are the LAST Nq positions, so query i sees keys "
+     "j <= i + causal_offset with causal_offset = Nk - Nq (top-left j <= i would hide most keys)"),
+    ("more queries than keys, MQA (Hkv = 1), D = 64", 1, 4, 1, 130, 40, 64, False, 1.0, torch.float32, None,
+     "nothing new in the update: the same masks and rescaling for any Nq, Nk"),
+    ("GQA (Hq = 2 Hkv), causal, D = 24 (a 32-lane block), explicit scale 0.3", 2, 4, 2, 70, 90, 24, True, 1.0,
+     torch.float32, 0.3,
+     "use sm_scale, not a scale of your own: it is the caller's scale here, and the head dimension is 24 while the "
+     "tiles are 32 wide"),
+    ("large scores (|q|, |k| ~ 4: scores in the tens)", 1, 2, 2, 64, 150, 32, True, 4.0, torch.float32, None,
+     "subtract the running max before tl.exp2 (p = tl.exp2(s - m_new[:, None])) so no exponent is positive"),
+    ("fp16 inputs", 1, 2, 1, 50, 120, 32, True, 1.0, torch.float16, None,
+     "cast p to v's dtype for the second tl.dot (p.to(v.dtype)); on a GPU the tiles stay 16-bit"),
+    ("bf16 inputs", 1, 2, 2, 33, 77, 16, False, 1.0, torch.bfloat16, None,
+     "cast p to v's dtype for the second tl.dot (p.to(v.dtype)); on a GPU the tiles stay 16-bit"),
+]
+
+_UPDATE_HINT = ("s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * (sm_scale * log2 e); if MASKED: "
+                "-inf where offs_n >= seq_k or (CAUSAL) offs_n > offs_m + causal_offset; m_new = max(m_i, row max of "
+                "s); alpha = exp2(m_i - m_new); p = exp2(s - m_new); l_i = l_i * alpha + row sum of p; acc = acc * "
+                "alpha + p @ v; return (acc, m_new, l_i)")
+
+
+def flash_attention_triton(block_update) -> None:
+    """Grade a ``@triton.jit`` ``block_update(acc, m_i, l_i, q, k, v, offs_m, offs_n, seq_k, causal_offset,
+    sm_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr) -> (acc, m_i, l_i)``,
+    the per-key-block step of FlashAttention-2's forward, run inside labkit's kernel (its loop, loads, final
+    ``acc / l_i`` and ``lse = (m_i + log2 l_i) * ln 2``): one block, several blocks, a ragged last block, causal
+    with ``Nq = Nk`` and ``Nq < Nk`` (bottom-right), ``Nq > Nk``, GQA and MQA, head dims 16/24/32/64, an explicit
+    scale, large scores, fp16/bf16; ``out`` and ``lse`` against fp64 torch (``torch.logsumexp``)."""
+    device = kernel_device("flash_attention_triton")
+    if device is None:
+        return
+    expect_jit_kernel(block_update, "block_update")
+    from labkit.kernels.flash_attention import _forward
+
+    gen = torch.Generator().manual_seed(13)
+    for what, batch, hq, hkv, nq, nk, dim, causal, magnitude, dtype, scale, case_hint in _TRITON_CASES:
+        q = (torch.randn(batch, hq, nq, dim, generator=gen) * magnitude).to(dtype).to(device)
+        k = (torch.randn(batch, hkv, nk, dim, generator=gen) * magnitude).to(dtype).to(device)
+        v = torch.randn(batch, hkv, nk, dim, generator=gen).to(dtype).to(device)
+        sm_scale = 1 / dim**0.5 if scale is None else scale
+        tried = (f"labkit's FlashAttention forward with your block_update: {what}; q [{batch}, {hq}, {nq}, {dim}], "
+                 f"k/v [{batch}, {hkv}, {nk}, {dim}] {str(dtype).removeprefix('torch.')}, causal={causal}, "
+                 f"sm_scale={sm_scale:.4g}")
+        out, lse = call_kernel(_forward, tried, q, k, v, causal, sm_scale, block_update,
+                               hint="it must return a tuple (acc, m_i, l_i) with the shapes it was given; run "
+                                    "labkit.kernels.flash_attention._forward(q, k, v, causal, scale, block_update) "
+                                    "yourself and read the traceback")
+        expected_out, expected_lse = _reference_attention(q, k, v, causal, sm_scale)
+        for name, got in (("out", out), ("lse", lse)):
+            if not torch.isfinite(got).all():
+                fail(f"{tried} -> {name}", f"inf or NaN in {name}", "finite values",
+                     "return (acc, m_new, l_i): the new running max, not the old one (m_i starts at -inf), and "
+                     "subtract it before tl.exp2 so no exponent is positive")
+        loose = dtype != torch.float32
+        tol = dict(rtol=2e-2, atol=2e-2) if loose else dict(rtol=1e-4, atol=1e-4)
+        assert_close(out.float().cpu(), expected_out.float().cpu(), f"{tried} -> out", f"{case_hint}. In full: {_UPDATE_HINT}",
+                     **tol)
+        assert_close(lse.cpu(), expected_lse.float().cpu(), f"{tried} -> lse",
+                     "out is right but lse is not: keep m_i in base-2 units (scores times sm_scale * log2 e, "
+                     "tl.exp2, not tl.exp), since the kernel stores lse = (m_i + log2(l_i)) * ln 2, and return the "
+                     "new max m_new as m_i", **tol)
+    passed("flash_attention_triton", f"your update inside labkit's kernel matches torch on {len(_TRITON_CASES)} cases: "
+                                     "one and several key blocks, a ragged tail, causal (bottom-right, Nq < Nk), "
+                                     "Nq > Nk, GQA and MQA, D = 16..64, an explicit scale, large scores, fp16/bf16; "
+                                     "out and lse")

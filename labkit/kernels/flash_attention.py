@@ -21,7 +21,9 @@ Causal masking is bottom-right aligned: query ``i`` sees keys ``j <= i + Nk - Nq
 ``Nq == Nk`` that is the usual lower triangle; with fewer queries than keys (decoding with a KV
 cache: the queries are the *last* ``Nq`` positions) the newest query sees every key.
 
-Exponentials use ``exp2`` with ``log2(e)`` folded into the scale (the GPU's fast instruction).
+Exponentials use ``exp2`` with ``log2(e)`` folded into the scale (the GPU's fast instruction). The
+forward kernel takes the per-key-block update as a ``tl.constexpr`` argument (``BLOCK_UPDATE``): labkit's
+:func:`_attention_block_update`, or a learner's with the same signature.
 On the GPU the matmuls take fp16/bf16 operands with fp32 accumulation (tensor cores); under
 Triton's CPU interpreter, whose bf16 arithmetic is wrong, every tile is upcast to fp32 at load.
 """
@@ -72,14 +74,38 @@ def _load_tile(base, rows, row_stride, offs_d, mask, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _attention_block_update(
+    acc, m_i, l_i, q, k, v, offs_m, offs_n, seq_k, causal_offset, sm_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """Fold one block of keys into the online softmax of a block of queries; returns ``(acc, m_i, l_i)``.
+
+    ``m_i`` and the scores are in base-2 units (``s * log2(e)``), so ``exp2`` computes ``exp``; ``MASKED``
+    blocks hold keys past ``seq_k`` or (``CAUSAL``) above the bottom-right diagonal, which get ``-inf``."""
+    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * (sm_scale * 1.4426950408889634)
+    if MASKED:
+        visible = (offs_n < seq_k)[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _forward_key_blocks(
     acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
-    offs_m, offs_d, d_valid, lo, hi, seq_k, causal_offset, scale_log2,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    offs_m, offs_d, d_valid, lo, hi, seq_k, causal_offset, sm_scale,
+    BLOCK_UPDATE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    """Online-softmax update over the key blocks ``[lo, hi)``. ``MASKED=False`` is the fast
-    path for blocks that are entirely inside the sequence and entirely visible."""
+    """Online-softmax update over the key blocks ``[lo, hi)``: load each K/V block (zeros past ``seq_k``) and
+    fold it in with ``BLOCK_UPDATE`` (:func:`_attention_block_update`, or the learner's). ``MASKED=False`` is
+    the fast path for blocks that are entirely inside the sequence and entirely visible."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kv_mask = d_valid[None, :]
@@ -87,18 +113,8 @@ def _forward_key_blocks(
             kv_mask = kv_mask & (offs_n < seq_k)[:, None]
         k = _load_tile(k_base, offs_n, stride_kn, offs_d, kv_mask, UPCAST)
         v = _load_tile(v_base, offs_n, stride_vn, offs_d, kv_mask, UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale_log2
-        if MASKED:
-            visible = (offs_n < seq_k)[None, :]
-            if CAUSAL:
-                visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
-            s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = BLOCK_UPDATE(acc, m_i, l_i, q, k, v, offs_m, offs_n, seq_k, causal_offset, sm_scale,
+                                     MASKED, CAUSAL, INPUT_PRECISION)
     return acc, m_i, l_i
 
 
@@ -109,9 +125,9 @@ def _flash_attention_forward_kernel(
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
-    num_heads, group_size, seq_q, seq_k, head_dim, scale_log2,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    num_heads, group_size, seq_q, seq_k, head_dim, sm_scale,
+    BLOCK_UPDATE: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     batch_head = tl.program_id(1)
@@ -141,13 +157,13 @@ def _flash_attention_forward_kernel(
         hi = tl.minimum(seq_k, start_m + BLOCK_M + causal_offset)
     acc, m_i, l_i = _forward_key_blocks(
         acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, d_valid,
-        0, full_blocks_end, seq_k, causal_offset, scale_log2,
-        False, CAUSAL, BLOCK_N, UPCAST, INPUT_PRECISION,
+        0, full_blocks_end, seq_k, causal_offset, sm_scale,
+        BLOCK_UPDATE, False, CAUSAL, BLOCK_N, UPCAST, INPUT_PRECISION,
     )
     acc, m_i, l_i = _forward_key_blocks(
         acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, d_valid,
-        full_blocks_end, hi, seq_k, causal_offset, scale_log2,
-        True, CAUSAL, BLOCK_N, UPCAST, INPUT_PRECISION,
+        full_blocks_end, hi, seq_k, causal_offset, sm_scale,
+        BLOCK_UPDATE, True, CAUSAL, BLOCK_N, UPCAST, INPUT_PRECISION,
     )
     # every valid row sees key 0, so l_i > 0; padded rows are never stored
     out = acc / l_i[:, None]
@@ -304,7 +320,9 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _forward(q, k, v, causal: bool, scale: float):
+def _forward(q, k, v, causal: bool, scale: float, block_update=_attention_block_update):
+    """``(out, lse)`` from the forward kernel; ``block_update`` is the ``@triton.jit`` function that folds one
+    key block into the running max, sum and output (the chapter-03 exercise plugs the learner's in here)."""
     batch, num_heads, seq_q, head_dim = q.shape
     num_kv_heads, seq_k = k.shape[1], k.shape[2]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -313,8 +331,8 @@ def _forward(q, k, v, causal: bool, scale: float):
     grid = (triton.cdiv(seq_q, settings["BLOCK_M"]), batch * num_heads)
     _flash_attention_forward_kernel[grid](
         q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-        num_heads, num_heads // num_kv_heads, seq_q, seq_k, head_dim, scale * LOG2E,
-        CAUSAL=causal, **settings,
+        num_heads, num_heads // num_kv_heads, seq_q, seq_k, head_dim, scale,
+        BLOCK_UPDATE=block_update, CAUSAL=causal, **settings,
     )
     return out, lse
 

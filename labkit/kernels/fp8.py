@@ -80,6 +80,34 @@ def _finite_amax_kernel(X, AMAX, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _round_to_code(v, MANTISSA_BITS: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr,
+                   MIN_NORMAL_BITS: tl.constexpr, SIGN_BIT: tl.constexpr):
+    """Codes (int32) of fp32 ``v`` in a small float format with ``MANTISSA_BITS`` and ``BIAS``: round to
+    nearest even with integer arithmetic on the bits (the interpreter's fp8 casts are wrong for some values),
+    saturating at ``MAX_BITS`` (the fp32 bits of the format's max), sign in ``SIGN_BIT``. Below
+    ``MIN_NORMAL_BITS`` it counts steps of the subnormal spacing; a NaN comes out as the max code."""
+    bits = v.to(tl.int32, bitcast=True)
+    negative = bits < 0
+    magnitude = tl.minimum(bits & 0x7FFFFFFF, MAX_BITS)  # saturate: |v| > max becomes max
+    # Normal range: drop 23 - m mantissa bits, rounding half to even; re-bias the exponent.
+    drop: tl.constexpr = 23 - MANTISSA_BITS
+    last_kept = (magnitude >> drop) & 1
+    normal_code = ((magnitude + ((1 << (drop - 1)) - 1) + last_kept) >> drop) - ((127 - BIAS) << MANTISSA_BITS)
+    # Subnormal range: count steps of 2^(1 - bias - m), rounding half to even; the significand has its implicit 1
+    # unless v is itself an fp32 subnormal (exponent field 0), far below any step. The count may reach 1 << m:
+    # the smallest normal, correctly.
+    exponent = magnitude >> 23
+    significand = tl.where(exponent > 0, (magnitude & 0x7FFFFF) | 0x800000, magnitude)
+    shift = tl.minimum(151 - BIAS - MANTISSA_BITS - tl.maximum(exponent, 1), 30)
+    steps = significand >> shift
+    remainder = significand & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    round_up = (remainder > half) | ((remainder == half) & ((steps & 1) == 1))
+    code = tl.where(magnitude < MIN_NORMAL_BITS, steps + round_up.to(tl.int32), normal_code)
+    return tl.where(negative, code | SIGN_BIT, code)
+
+
+@triton.jit
 def _fp8_quantize_kernel(
     X, CODES, SCALE, AMAX, n,
     MANTISSA_BITS: tl.constexpr, BIAS: tl.constexpr, MAX_VALUE: tl.constexpr,
@@ -99,32 +127,9 @@ def _fp8_quantize_kernel(
     x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
     v = tl.math.div_rn(x, tl.zeros_like(x) + scale)
 
-    bits = v.to(tl.int32, bitcast=True)
-    negative = bits < 0
-    magnitude = bits & 0x7FFFFFFF
-    is_nan = magnitude > 0x7F800000
-    magnitude = tl.minimum(magnitude, MAX_BITS)  # saturate: ±inf and |v| > max become ±max
-
-    # Normal range: drop 23 - m mantissa bits, rounding half to even; re-bias the exponent.
-    drop: tl.constexpr = 23 - MANTISSA_BITS
-    last_kept = (magnitude >> drop) & 1
-    rounded = (magnitude + ((1 << (drop - 1)) - 1) + last_kept) >> drop
-    normal_code = rounded - ((127 - BIAS) << MANTISSA_BITS)
-
-    # Subnormal range: count steps of 2^(1 - bias - m); the significand has its implicit 1
-    # unless v is itself an fp32 subnormal (exponent field 0), far below any fp8 step.
-    exponent = magnitude >> 23
-    significand = tl.where(exponent > 0, (magnitude & 0x7FFFFF) | 0x800000, magnitude)
-    shift = tl.minimum(151 - BIAS - MANTISSA_BITS - tl.maximum(exponent, 1), 30)
-    steps = significand >> shift
-    remainder = significand & ((1 << shift) - 1)
-    half = 1 << (shift - 1)
-    round_up = (remainder > half) | ((remainder == half) & ((steps & 1) == 1))
-    subnormal_code = steps + round_up.to(tl.int32)  # may reach 1 << m: the smallest normal, correctly
-
-    code = tl.where(magnitude < MIN_NORMAL_BITS, subnormal_code, normal_code)
-    code = tl.where(is_nan, NAN_CODE, code)
-    code = tl.where(negative, code | 0x80, code)
+    code = _round_to_code(v, MANTISSA_BITS, BIAS, MAX_BITS, MIN_NORMAL_BITS, 0x80)  # ±inf saturate to ±max
+    is_nan = (v.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000
+    code = tl.where(is_nan, NAN_CODE | (code & 0x80), code)
     tl.store(CODES + offsets, code.to(tl.uint8), mask=mask)
 
 
