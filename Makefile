@@ -31,7 +31,7 @@ SUBMISSIONS   ?= submissions
 GRADES        ?= grades.csv
 GRADE_TIMEOUT ?= 600
 
-.PHONY: lab test test-portable test-browser unit notebooks spread student grade clean-venv
+.PHONY: lab test test-student test-portable test-browser unit notebooks spread student grade clean-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,10 @@ lab: $(VENV)/.installed-lab $(LAB_OVERRIDES)
 ## One thread per pytest worker: JOBS workers share the cores instead of oversubscribing them.
 test: $(VENV)/.installed-test $(LAB_OVERRIDES)
 	LABKIT_DEVICE=cpu OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(JOBS) --dist loadfile $(NBVAL) tests notebooks
+
+## Every chapter's student version run top to bottom: only the grader cells may fail, with "not answered yet".
+test-student: $(VENV)/.installed-test
+	LABKIT_DEVICE=cpu LABKIT_STUDENT_TEST=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -p no:cacheprovider -n $(JOBS) tests/student
 
 ## The notebooks once more under another CPU code path and thread count (CI runs it after `make test`).
 test-portable: $(VENV)/.installed-test
