@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from labkit.memory import MemoryBreakdown, _dtype, activation_terms, model_state_bytes
 from labkit.model import MOE_PRESETS, PRESETS, ModelConfig, config_from
-from labkit.parallel import bubble_fraction, collective_bytes_sent, split_layers
+from labkit.parallel import _check_positive_ints, bubble_fraction, collective_bytes_sent, split_layers
 
 GB = 1e9
 
@@ -261,7 +261,7 @@ def parallel_plan(config: ModelConfig | str, gpus: int, gpu_memory: float, inter
         if interconnect not in INTERCONNECTS:
             raise ValueError(f"interconnect={interconnect!r}: expected an Interconnect or one of {sorted(INTERCONNECTS)}")
         interconnect = INTERCONNECTS[interconnect]
-    _check_positive(gpus=gpus, seq_len=seq_len, tokens_per_step=tokens_per_step, micro_batch=micro_batch)
+    _check_positive_ints(gpus=gpus, seq_len=seq_len, tokens_per_step=tokens_per_step, micro_batch=micro_batch)
     if not gpu_memory > 0:
         raise ValueError(f"gpu_memory={gpu_memory!r}: expected GB per GPU, a positive number")
     if not 0 < mfu <= 1:
@@ -342,14 +342,9 @@ def expert_parallel_comm(tokens: int, top_k: int, d_model: int, ep: int, bytes_p
     ``tokens`` each go to ``top_k`` experts spread evenly over ``ep`` ranks: of its ``tokens · k``
     routed rows of ``d_model`` elements, the ``(ep - 1)/ep`` that live elsewhere; with TP each
     rank of a TP group dispatches ``1/tp`` of the tokens."""
-    _check_positive(tokens=tokens, top_k=top_k, d_model=d_model, ep=ep, bytes_per_element=bytes_per_element, tp=tp)
+    _check_positive_ints(tokens=tokens, top_k=top_k, d_model=d_model, ep=ep, bytes_per_element=bytes_per_element, tp=tp)
     return collective_bytes_sent("all_to_all", tokens * top_k * d_model * bytes_per_element / tp, ep)
 
-
-def _check_positive(**values) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name}={value!r}: expected a positive integer")
 
 
 def published_layout_plan(layout: dict, gpu_memory: float = 80, **assumptions) -> LayoutPlan:
