@@ -70,15 +70,22 @@ test-student: $(VENV)/.installed-test
 	LABKIT_DEVICE=cpu LABKIT_STUDENT_TEST=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -p no:cacheprovider -n $(JOBS) tests/student
 
 ## The notebooks once more under another CPU code path and thread count (CI runs it after `make test`).
+## Then, pass or fail, the claims that had the least room on this machine (from build/claims-portable.jsonl).
 test-portable: $(VENV)/.installed-test
-	LABKIT_DEVICE=cpu $(PORTABLE_ENV) $(BIN)/python -m pytest -p no:cacheprovider $(NBVAL) notebooks
+	@mkdir -p build && rm -f build/claims-portable.jsonl
+	LABKIT_DEVICE=cpu LABKIT_CLAIMS_LOG=$(CURDIR)/build/claims-portable.jsonl $(PORTABLE_ENV) \
+		$(BIN)/python -m pytest -p no:cacheprovider $(NBVAL) notebooks; \
+		status=$$?; $(BIN)/python tests/claim_spread.py --margins build/claims-portable.jsonl; exit $$status
 
 ## Every chapter in JupyterLab in headless Chromium: Run All, no errors, widgets render and react to a control.
-## Screenshots go to build/screenshots/. One chapter: make test-browser PYTEST_ARGS="-k 00_foundations".
+## Screenshots go to build/screenshots/, the claims with the least room after it. One chapter: make test-browser PYTEST_ARGS="-k 00_foundations".
 test-browser: $(VENV)/.installed-browser
 	@test -x $(CHROMIUM) || { echo "no Chromium at $(CHROMIUM): apt-get install -y chromium (or CHROMIUM=/path/to/chromium)"; exit 1; }
+	@mkdir -p build && rm -f build/claims-browser.jsonl
 	LABKIT_BROWSER_TEST=1 LABKIT_CHROMIUM=$(CHROMIUM) LABKIT_DEVICE=cpu OMP_NUM_THREADS=1 \
-		$(BIN)/python -m pytest -p no:cacheprovider -n $(BROWSER_JOBS) tests/browser $(PYTEST_ARGS)
+		LABKIT_CLAIMS_LOG=$(CURDIR)/build/claims-browser.jsonl \
+		$(BIN)/python -m pytest -p no:cacheprovider -n $(BROWSER_JOBS) tests/browser $(PYTEST_ARGS); \
+		status=$$?; $(BIN)/python tests/claim_spread.py --margins build/claims-browser.jsonl; exit $$status
 
 ## Measure how far each chapter's asserted numbers move across instruction sets and thread counts.
 spread: $(VENV)/.installed-test

@@ -6,11 +6,16 @@ largest value seen next to the range the chapter accepts. A tolerance should sit
 the measured spread; a claim whose spread comes close to its bounds is flagged.
 
     python tests/claim_spread.py notebooks/01_precision.ipynb [--variants native-1,default-2]
+
+``--margins LOG`` instead reads a log that a test run wrote (``make test-portable`` and ``make
+test-browser`` keep one in ``build/``) and prints the claims that came closest to their bounds on
+this machine: on CI, the tail of the log then shows how much room each timing claim had.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -37,11 +42,50 @@ def run_notebook(notebook: Path, env_changes: dict, log: Path, out_dir: Path) ->
     return time.monotonic() - start
 
 
+def headroom(value: float, low: float, high: float) -> float:
+    """How far ``value`` sits inside [low, high]: 0 on a bound, negative outside. Bounds that a value
+    sits on by construction are left out: one it equals exactly (an exact claim), a floor of 0 and a
+    ceiling of 1 (errors, counts, ratios and fractions cannot cross them). Two bounds left: measured in
+    half-widths (1 at the centre); one: as a fraction of the value or the bound; none: inf."""
+    if not low <= value <= high:  # also NaN
+        return -math.inf
+    checked = [b for b in (low, high) if math.isfinite(b) and b != value and not (b == 0 and value >= 0)
+               and not (b == 1 and value <= 1)]
+    if len(checked) == 2:
+        return min(value - low, high - value) / ((high - low) / 2)
+    if checked:
+        return abs(value - checked[0]) / max(abs(value), abs(checked[0]))
+    return math.inf
+
+
+def print_margins(log: Path, top: int) -> None:
+    """The ``top`` claims of a claims log with the least headroom (each claim's worst record)."""
+    worst = {}
+    for line in log.read_text(encoding="utf-8").splitlines() if log.exists() else []:
+        entry = json.loads(line)
+        if entry["bounds"] is None:  # a True/False claim: only a False one is worth a line
+            room = 1.0 if entry["value"] else -math.inf
+        else:
+            room = headroom(entry["value"], *entry["bounds"])
+        if entry["claim"] not in worst or room < worst[entry["claim"]][0]:
+            worst[entry["claim"]] = (room, entry)
+    print(f"claims with the least headroom in {log} ({len(worst)} claims; 0 = on a bound):")
+    for room, entry in sorted(worst.values(), key=lambda item: item[0])[:top]:
+        low, high = entry["bounds"] or (None, None)
+        seen = f"{entry['value']:.4g} in [{low:.4g}, {high:.4g}]" if entry["bounds"] else str(entry["value"])
+        print(f"  {room:6.2f}  {seen:28s} {entry['claim'][:110]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("notebooks", nargs="*", type=Path)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names from: " + ", ".join(VARIANTS))
+    parser.add_argument("--margins", type=Path, metavar="LOG", help="print the tightest claims of a claims log and exit")
+    parser.add_argument("--top", type=int, default=12, help="with --margins: how many claims to print")
     args = parser.parse_args()
+    if args.margins:
+        print_margins(args.margins, args.top)
+        return
     notebooks = args.notebooks or sorted(Path("notebooks").glob("[0-9]*.ipynb"))
     variants = {name: VARIANTS[name] for name in args.variants.split(",")}
     with tempfile.TemporaryDirectory(prefix="labkit-spread-") as tmp:

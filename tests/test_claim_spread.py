@@ -1,0 +1,46 @@
+"""The margin report that `make test-portable` and `make test-browser` print after their run."""
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+spec = importlib.util.spec_from_file_location("claim_spread", Path(__file__).with_name("claim_spread.py"))
+claim_spread = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(claim_spread)
+headroom = claim_spread.headroom
+
+
+def test_headroom_of_two_sided_ranges_is_in_half_widths():
+    assert headroom(1.0, 0.5, 1.5) == 1.0           # a near=1, rel=0.5 claim measured dead on
+    assert math.isclose(headroom(1.4, 0.5, 1.5), 0.2)
+    assert headroom(1.6, 0.5, 1.5) == -math.inf     # outside: failed
+    assert headroom(math.nan, 0.5, 1.5) == -math.inf
+
+
+def test_headroom_of_one_sided_bounds_is_a_fraction_of_the_value():
+    assert math.isclose(headroom(4.0, 3.0, math.inf), 0.25)    # a "several times slower" ratio of 4 against 3
+    assert math.isclose(headroom(1.0, -math.inf, 1.25), 0.2)
+
+
+def test_bounds_a_value_sits_on_by_construction_are_not_counted():
+    assert headroom(16, 16, 16) == math.inf          # an exact count
+    assert headroom(0.0, 0.0, 1e-3) == 1.0           # no error at all against "at most 1e-3": all the room
+    assert math.isclose(headroom(2e-4, 0.0, 1e-3), 0.8)  # an error's floor of 0 is not a bound it can cross
+    assert math.isclose(headroom(0.9, 0.8, 1.0), 1 / 9)  # nor is a fraction's ceiling of 1
+
+
+def test_the_report_lists_the_worst_record_of_each_claim_tightest_first(tmp_path, capsys):
+    log = tmp_path / "claims.jsonl"
+    records = [("ratio", 10.0, (3, math.inf)), ("ratio", 3.3, (3, math.inf)), ("close", 1.0, (0.5, 1.5)),
+               ("flag", False, None), ("held", True, None)]
+    log.write_text("".join(json.dumps({"claim": c, "value": v, "bounds": b}) + "\n" for c, v, b in records))
+    claim_spread.print_margins(log, top=3)
+    lines = capsys.readouterr().out.splitlines()
+    assert "4 claims" in lines[0]
+    assert [line.split()[-1] for line in lines[1:]] == ["flag", "ratio", "close"]
+    assert "3.3 in [3, inf]" in lines[2]
+
+
+def test_a_missing_log_reports_no_claims(tmp_path, capsys):
+    claim_spread.print_margins(tmp_path / "absent.jsonl", top=5)
+    assert "0 claims" in capsys.readouterr().out
