@@ -15,7 +15,9 @@ never one defined in a notebook).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -110,14 +112,16 @@ def end_rank(code: int = 0) -> None:
 def launch(fn, world_size: int = 2, backend: str = "auto", timeout: float = 120, quiet: bool = False, **kwargs) -> RankResults:
     """Run ``fn(rank, world_size, **kwargs)`` in ``world_size`` fresh processes that form a
     process group; return ``{rank: result}`` (results must be picklable; tensors come back on
-    the CPU).
+    the CPU). On Linux and macOS the ranks are forked from a rank server that has torch imported
+    already (started at the first launch, it lives as long as this process): the notebook's own
+    state never reaches them, only ``fn``, ``kwargs`` and the environment.
 
     Each rank's stdout goes to its own file and is printed afterwards, rank by rank, each line
     prefixed ``[rank r]`` (unless ``quiet``), so outputs never interleave. The ranks meet at a
     TCP store this process opens on a free port (port 0: the OS picks one), so launches can run
     side by side. If a rank raises or dies, the others are killed and :class:`RankFailedError`
     shows that rank's traceback; if the ranks are not done within ``timeout`` seconds, they
-    are killed and the error says which ranks were still running. No process outlives the call,
+    are killed and the error says which ranks were still running. No rank outlives the call,
     not even when this process is killed mid-run (e.g. a restarted notebook kernel): the ranks
     notice that their parent is gone and end themselves.
     """
@@ -164,18 +168,138 @@ def _child_env() -> dict:
     return env
 
 
-def _start_ranks(run: Path, world_size: int, procs: list[subprocess.Popen]) -> None:
+def _start_ranks(run: Path, world_size: int, procs: list) -> None:
     """Start the ranks, appending each to ``procs`` the moment it exists: if starting a later
     one fails (e.g. out of memory), the caller's ``finally`` still kills those already running."""
     env = _child_env()
     for rank in range(world_size):
+        for name in ("stdout", "stderr"):
+            (run / f"{name}_{rank}.txt").touch()  # there even if the rank dies before writing a line
+        procs.append(_start_rank(run, rank, env))
+
+
+def _start_rank(run: Path, rank: int, env: dict):
+    """One rank: forked from the rank server where the platform has a fork server (Linux, macOS),
+    otherwise a new interpreter. Either way a fresh process in its own process group, with ``env``."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():  # Windows
         with open(run / f"stdout_{rank}.txt", "wb") as out, open(run / f"stderr_{rank}.txt", "wb") as err:
-            procs.append(subprocess.Popen(
-                # our pid goes along, so the rank can tell when it has lost its parent (see _die_with_parent)
-                [sys.executable, "-c", "from labkit.dist import _rank_main; _rank_main()", str(run), str(rank), str(os.getpid())],
+            # our pid goes along, so the rank can tell when it has lost its parent (see _die_with_parent)
+            return subprocess.Popen(
+                [sys.executable, "-c", "import sys; from labkit.dist import _rank_main; _rank_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))",
+                 str(run), str(rank), str(os.getpid())],
                 stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
                 start_new_session=True,  # its own process group: killing it takes any children along
-            ))
+            )
+    context, server = _rank_server()
+    process = context.Process(target=_forked_rank_main, args=(str(run), rank, server, env), name=f"labkit-rank-{rank}")
+    with _rank_server_lock, _main_module_hidden():
+        process.start()
+    return _ForkedRank(process)
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """Keep multiprocessing from re-running the launcher's main script or module in every rank (as
+    ``__mp_main__``, so that functions defined there could be unpickled): launch() only takes importable
+    functions, and a script without an ``if __name__ == "__main__":`` guard would launch again from each rank."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved_file, saved_spec = main.__dict__.pop("__file__", None), getattr(main, "__spec__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__spec__ = saved_spec
+        if saved_file is not None:
+            main.__file__ = saved_file
+
+
+# What every rank imports before it runs a line of the learner's code: torch (~2 s of CPU), and torch._dynamo,
+# which torch.optim loads when the first optimizer is built (~2 s more). A fresh interpreter per rank paid both
+# on every launch, N times over on a machine's few cores (4 ranks on 2 cores: ~10 s before the first collective).
+RANK_SERVER_PRELOAD = ("labkit.dist", "torch._dynamo")
+_rank_server_lock = threading.Lock()
+
+
+def _rank_server():
+    """``(context, pid)`` of this process's rank server: multiprocessing's fork server, started once with
+    :data:`RANK_SERVER_PRELOAD` imported, which forks each rank from that state. It is a child of this
+    process and exits when this process does (it watches a pipe from us), and its ranks with it (each
+    asks the kernel to be signalled when its parent dies)."""
+    from multiprocessing import forkserver
+
+    context = multiprocessing.get_context("forkserver")
+    with _rank_server_lock:
+        context.set_forkserver_preload(list(RANK_SERVER_PRELOAD))
+        # The server's C++ libraries read a few settings once, when torch loads in it.
+        saved = {name: os.environ.get(name) for name in ("TORCH_CPP_LOG_LEVEL",)}
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        try:
+            with _main_module_hidden():
+                forkserver.ensure_running()
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+        return context, forkserver._forkserver._forkserver_pid
+
+
+def _rank_server_pid() -> int | None:
+    """The rank server's pid, if this process has started one (tests tell it from a leftover rank)."""
+    from multiprocessing import forkserver
+
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+
+
+class _ForkedRank:
+    """A rank forked by the rank server, with the part of ``subprocess.Popen``'s interface launch() uses."""
+
+    def __init__(self, process: multiprocessing.Process):
+        self.process, self.pid = process, process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"rank {self.process.name}", timeout)
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        self.process.kill()
+
+
+def _forked_rank_main(run: str, rank: int, server: int, env: dict) -> None:
+    """Entry point of a rank forked by the rank server: first what a new interpreter would have got
+    from launch() (its own session, output files, the launcher's environment), then :func:`_rank_main`."""
+    from multiprocessing import forkserver
+
+    os.setsid()  # its own process group, as start_new_session gives a spawned rank
+    # Every process the server forks gets the write end of the pipe the server watches to know when its
+    # clients are gone. A rank holding it would keep the server alive after the launcher died, and the rank
+    # waits for the server (its parent) to die: neither would ever end.
+    alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if alive is not None:
+        os.close(alive)
+        forkserver._forkserver._forkserver_alive_fd = None
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        with open(Path(run) / f"{name}_{rank}.txt", "ab") as out:
+            os.dup2(out.fileno(), fd)
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+    os.environ.clear()
+    os.environ.update(env)
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # OpenMP read its variable when torch loaded in the server
+    _rank_main(run, rank, server)
 
 
 def _wait(procs: list[subprocess.Popen], run: Path, deadline: float, timeout: float) -> None:
@@ -228,8 +352,10 @@ def _kill(procs: list[subprocess.Popen]) -> None:
                 os.killpg(p.pid, signal.SIGKILL)
             elif p.poll() is None:  # Windows: no process groups
                 p.kill()
-        except (ProcessLookupError, PermissionError):  # the group is empty (macOS: only zombies left)
-            pass
+        except (ProcessLookupError, PermissionError):
+            # no such group: it is empty (macOS: only zombies left), or a forked rank is not in its own yet
+            if p.poll() is None:
+                p.kill()
     for p in procs:
         p.wait()  # reap: no zombies left behind (the rank's own children are reaped by init)
 
@@ -247,7 +373,8 @@ def _tail(path: Path, lines: int = 25) -> str:
 
 
 def _die_with_parent(parent: int) -> None:
-    """End this rank when the launching process ``parent`` dies.
+    """End this rank when ``parent`` dies: the launcher, or the rank server that forked this rank
+    (which exits as soon as the launcher does).
 
     A killed launcher (SIGKILL, a restarted notebook kernel) never runs the ``finally`` that
     kills the ranks, and the ranks, each in its own session, would live on: one in a loop or a
@@ -259,7 +386,8 @@ def _die_with_parent(parent: int) -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: _end_with_own_children())
     if sys.platform.startswith("linux"):
         # Ask the kernel to send SIGTERM the moment our parent exits (strictly: the parent
-        # *thread* that started us; launch() waits for the ranks in that very thread). The handler
+        # *thread* that started us: the rank server's only thread, or the launch() call that waits
+        # for the ranks in that very thread). The handler
         # above runs as soon as the main thread executes Python again (a sleep is interrupted);
         # if it sits in a long C call (a collective), the watchdog below acts within 0.5 s.
         import ctypes
@@ -289,18 +417,18 @@ def _end_with_own_children() -> None:
     os._exit(1)
 
 
-def _rank_main() -> None:
-    """Entry point of one rank (``python -c ... <run_dir> <rank> <launcher pid>``)."""
+def _rank_main(run_dir: str, rank: int, parent: int) -> None:
+    """Body of one rank: ``parent`` is the process that started it (the launcher or the rank server)."""
     import faulthandler
     import traceback
 
-    _die_with_parent(int(sys.argv[3]))  # first of all: the launcher may already be gone
+    _die_with_parent(parent)  # first of all: the launcher may already be gone
 
     import labkit  # noqa: F401  (sets up Triton's mode before anything imports it)
 
     faulthandler.enable()  # a crash in C++ (abort, segfault) still shows the Python stack in the rank's stderr
 
-    run, rank = Path(sys.argv[1]), int(sys.argv[2])
+    run = Path(run_dir)
     spec = torch.load(run / "spec.pt", weights_only=False)
     world_size = spec["world_size"]
     failed_marker = run / f"failed_{rank}"

@@ -1,3 +1,4 @@
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -24,7 +25,11 @@ from labkit.dist import (
 
 
 def _children() -> list[int]:
-    """PIDs of this process's live children (Linux /proc)."""
+    """PIDs of this process's live children (Linux /proc). launch() starts two helpers once per process
+    and keeps them (the rank server and multiprocessing's resource tracker): they are started first, so
+    that a test's "before" already holds them."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        labkit.dist._rank_server()
     me, kids = os.getpid(), []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -337,16 +342,16 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
 
 @needs_proc
 def test_a_rank_that_fails_to_start_stops_the_ones_started(monkeypatch):
-    real_popen, started = subprocess.Popen, []
+    real_start, started = labkit.dist._start_rank, []
 
-    def popen(*args, **kwargs):  # rank 0 starts, rank 1 cannot (think: out of memory)
+    def start(*args):  # rank 0 starts, rank 1 cannot (think: out of memory)
         if started:
             raise OSError("cannot start rank 1 (simulated)")
-        started.append(real_popen(*args, **kwargs))
+        started.append(real_start(*args))
         return started[-1]
 
     before = set(_children())
-    monkeypatch.setattr(labkit.dist.subprocess, "Popen", popen)
+    monkeypatch.setattr(labkit.dist, "_start_rank", start)
     try:
         with pytest.raises(OSError, match="simulated"):
             launch(dist_demos.hello, world_size=4, backend="gloo", timeout=60, quiet=True)
@@ -442,3 +447,37 @@ def test_gradient_collective():
     assert gradient_collective("zero2") == "reduce_scatter"
     with pytest.raises(ValueError, match="strategy"):
         gradient_collective("tp")
+
+
+def report_process(rank, world_size):
+    """A rank function for the rank-server tests below: what this rank's process looks like."""
+    return {"parent": os.getppid(), "threads": torch.get_num_threads(), "cwd": os.getcwd(),
+            "marker": os.environ.get("LABKIT_TEST_MARKER"), "own_group": os.getpgrp() == os.getpid()}
+
+
+@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="no fork server on this platform")
+def test_ranks_are_forked_from_the_rank_server_with_the_launchers_current_environment(monkeypatch, tmp_path):
+    _children()  # the server runs already: what follows is set after it started
+    monkeypatch.setenv("LABKIT_TEST_MARKER", "set after the server started")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    results = launch(report_process, world_size=2, backend="gloo", timeout=60, quiet=True)
+    for rank in range(2):
+        assert results[rank]["parent"] == labkit.dist._rank_server_pid()
+        assert results[rank]["marker"] == "set after the server started"
+        assert results[rank]["threads"] == 1  # the ranks share the machine's cores
+        assert results[rank]["cwd"] == str(tmp_path)
+        assert results[rank]["own_group"]
+
+
+def test_a_script_without_a_main_guard_launches_once(tmp_path):
+    # multiprocessing re-runs the main script in each child unless told otherwise: this one would launch again
+    script = tmp_path / "unguarded.py"
+    script.write_text("from labkit import dist, dist_demos\n"
+                      "dist.launch(dist_demos.hello, world_size=2, backend='gloo', timeout=60)\n"
+                      "print('launched')\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(labkit.__file__).resolve().parents[1])})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("launched") == 1
+    assert done.stdout.count("hello from rank") == 2
