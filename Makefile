@@ -20,6 +20,8 @@ LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.d/labkit.json
 # than the machine that stored the outputs, so an output that depends on the machine fails here.
 PORTABLE_ENV := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 OMP_NUM_THREADS=2
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
+# After a test command (pass or fail, keeping its exit status): the claims with the least headroom in its claims log.
+report_margins = status=$$?; $(BIN)/python tests/claim_spread.py --margins $(1); exit $$status
 
 # The first chapter, which `make lab` opens (chapters are notebooks/NN_topic.ipynb).
 FIRST_CHAPTER := $(notdir $(firstword $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))))
@@ -74,8 +76,7 @@ test-student: $(VENV)/.installed-test
 test-portable: $(VENV)/.installed-test
 	@mkdir -p build && rm -f build/claims-portable.jsonl
 	LABKIT_DEVICE=cpu LABKIT_CLAIMS_LOG=$(CURDIR)/build/claims-portable.jsonl $(PORTABLE_ENV) \
-		$(BIN)/python -m pytest -p no:cacheprovider $(NBVAL) notebooks; \
-		status=$$?; $(BIN)/python tests/claim_spread.py --margins build/claims-portable.jsonl; exit $$status
+		$(BIN)/python -m pytest -p no:cacheprovider $(NBVAL) notebooks; $(call report_margins,build/claims-portable.jsonl)
 
 ## Every chapter in JupyterLab in headless Chromium: Run All, no errors, widgets render and react to a control.
 ## Screenshots go to build/screenshots/, the claims with the least room after it. One chapter: make test-browser PYTEST_ARGS="-k 00_foundations".
@@ -85,7 +86,7 @@ test-browser: $(VENV)/.installed-browser
 	LABKIT_BROWSER_TEST=1 LABKIT_CHROMIUM=$(CHROMIUM) LABKIT_DEVICE=cpu OMP_NUM_THREADS=1 \
 		LABKIT_CLAIMS_LOG=$(CURDIR)/build/claims-browser.jsonl \
 		$(BIN)/python -m pytest -p no:cacheprovider -n $(BROWSER_JOBS) tests/browser $(PYTEST_ARGS); \
-		status=$$?; $(BIN)/python tests/claim_spread.py --margins build/claims-browser.jsonl; exit $$status
+		$(call report_margins,build/claims-browser.jsonl)
 
 ## Measure how far each chapter's asserted numbers move across instruction sets and thread counts.
 spread: $(VENV)/.installed-test

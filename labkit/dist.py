@@ -233,19 +233,24 @@ def _rank_server():
     context = multiprocessing.get_context("forkserver")
     with _rank_server_lock:
         context.set_forkserver_preload(list(RANK_SERVER_PRELOAD))
-        # The server's C++ libraries read a few settings once, when torch loads in it.
-        saved = {name: os.environ.get(name) for name in ("TORCH_CPP_LOG_LEVEL",)}
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        try:
-            with _main_module_hidden():
-                forkserver.ensure_running()
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
-        return context, forkserver._forkserver._forkserver_pid
+        # The server starts in the ranks' environment: its C++ libraries read some settings (the log level,
+        # OpenMP's threads) once, when torch loads in it.
+        with _environment(_child_env()), _main_module_hidden():
+            forkserver.ensure_running()
+        return context, _rank_server_pid()
+
+
+@contextlib.contextmanager
+def _environment(env: dict):
+    """``os.environ`` is ``env`` inside the block, and what it was again after it."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def _rank_server_pid() -> int | None:
@@ -296,7 +301,7 @@ def _forked_rank_main(run: str, rank: int, server: int, env: dict) -> None:
             os.dup2(out.fileno(), fd)
     sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
     sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
-    os.environ.clear()
+    os.environ.clear()  # for good: this process is the rank
     os.environ.update(env)
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # OpenMP read its variable when torch loaded in the server
     _rank_main(run, rank, server)
