@@ -50,6 +50,27 @@ def sliced_waits_client(base: type) -> type:
     return SlicedWaitsClient
 
 
+def read_notebook(source) -> dict:
+    """A notebook (a path, or its text) as nbformat reads it, upgraded to nbformat 4: sources as strings whether
+    the file stores them as strings or as lists of lines (Jupyter's own way), any 4.x minor version, cell ids
+    or none. Raises ValueError saying why it is not a notebook."""
+    import nbformat
+
+    text = Path(source).read_text(encoding="utf-8") if isinstance(source, Path) else source
+    try:
+        notebook = nbformat.reads(text, as_version=4)
+    except Exception as err:  # nbformat raises NotJSONError, ValidationError, KeyError, ... for what it cannot read
+        raise ValueError(f"not a notebook ({type(err).__name__}: {str(err)[:200]})") from None
+    if not isinstance(notebook.get("cells"), list):
+        raise ValueError("not a notebook (no nbformat-4 'cells')")
+    for cell in notebook["cells"]:
+        if not isinstance(cell, dict) or cell.get("cell_type") not in ("code", "markdown", "raw"):
+            raise ValueError("not a notebook (a cell without a valid cell_type)")
+        if isinstance(cell.get("source"), list):  # nbformat joins them; a hand-made dict may not have been
+            cell["source"] = "".join(cell["source"])
+    return notebook
+
+
 def execute_in_place(path: Path, timeout: float = 300, output: Path | None = None) -> None:
     """Run the notebook at ``path`` top to bottom in a fresh kernel (its own folder as the working directory,
     ``timeout`` seconds per cell) and write it with its outputs back to ``path`` (or to ``output``); a cell's
@@ -58,7 +79,7 @@ def execute_in_place(path: Path, timeout: float = 300, output: Path | None = Non
     from nbclient import NotebookClient
 
     path = Path(path)
-    notebook = nbformat.read(path, as_version=4)
+    notebook = read_notebook(path)
     sliced_waits_client(NotebookClient)(notebook, timeout=timeout, resources={"metadata": {"path": str(path.parent)}}).execute()
     nbformat.write(notebook, output or path)
 

@@ -16,12 +16,12 @@ and a chapter's notebook metadata may override both the time and the prerequisit
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from labkit.execute import read_notebook
 from labkit.student import BEGIN, cell_source, chapter_paths, grader_calls
 
 TOP_ID, BOTTOM_ID = "labkit-where-you-are", "labkit-next-chapter"
@@ -85,7 +85,7 @@ def read_chapter(path: Path) -> Chapter:
     number = path.name[:2]
     if not (number.isdigit() and path.name[2:3] == "_" and path.suffix == ".ipynb"):
         raise ValueError(f"path={str(path)!r}: expected a chapter notebook named NN_topic.ipynb")
-    notebook = json.loads(path.read_text(encoding="utf-8"))
+    notebook = read_notebook(path)
     title = next((line.lstrip("#").strip() for c in notebook["cells"] if c["cell_type"] == "markdown"
                   and c.get("id") != TOP_ID for line in cell_source(c).splitlines() if line.startswith("# ")), "")
     title = TITLE_PREFIX.sub("", title) or path.stem[3:].replace("_", " ")
@@ -132,9 +132,11 @@ def update_notebook(notebook: dict, top: str, bottom: str) -> dict:
 
 
 def _dump(notebook: dict) -> str:
-    # Jupyter's own layout (nbformat.write: one-space indent, sorted keys), so a save in JupyterLab
-    # and a run of this script give the same file.
-    return json.dumps(notebook, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+    # Jupyter's own layout (nbformat.write: one-space indent, sorted keys, sources as lists of lines), so a
+    # save in JupyterLab and a run of this script give the same file.
+    import nbformat
+
+    return nbformat.writes(nbformat.from_dict(notebook)) + "\n"
 
 
 def update_chapters(paths: list[Path], write: bool = True) -> list[Path]:
@@ -147,7 +149,7 @@ def update_chapters(paths: list[Path], write: bool = True) -> list[Path]:
     changed = []
     for index, chapter in enumerate(chapters):
         text = chapter.path.read_text(encoding="utf-8")
-        notebook = json.loads(text)
+        notebook = read_notebook(text)
         if notebook.get("nbformat", 0) < 4 or (notebook["nbformat"] == 4 and notebook.get("nbformat_minor", 0) < 5):
             raise ValueError(f"{chapter.path}: expected nbformat >= 4.5 (cell ids), got "
                              f"{notebook.get('nbformat')}.{notebook.get('nbformat_minor')}")
@@ -174,7 +176,7 @@ def broken_links(path: Path) -> list[str]:
     """Every navigation link of notebook ``path`` whose file (or ``#anchor`` heading) does not exist."""
     path = Path(path)
     broken = []
-    for target in links(json.loads(path.read_text(encoding="utf-8"))):
+    for target in links(read_notebook(path)):
         file, _, anchor = target.partition("#")
         resolved = (path.parent / file).resolve()
         if not resolved.is_file():
@@ -182,7 +184,7 @@ def broken_links(path: Path) -> list[str]:
         elif anchor:
             text = resolved.read_text(encoding="utf-8")
             if resolved.suffix == ".ipynb":
-                text = "\n".join(cell_source(c) for c in json.loads(text)["cells"] if c["cell_type"] == "markdown")
+                text = "\n".join(cell_source(c) for c in read_notebook(text)["cells"] if c["cell_type"] == "markdown")
             headings = {heading_anchor(line.lstrip("#")) for line in text.splitlines() if line.startswith("#")}
             if anchor not in headings:
                 broken.append(f"{target}: no heading '#{anchor}' in {resolved.name}")

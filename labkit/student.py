@@ -288,6 +288,18 @@ def student_notebook(notebook: dict, chapter: str) -> tuple[dict, list[str]]:
     return nb, exercises
 
 
+def with_solutions(student: dict, chapter: dict) -> dict:
+    """``student`` (a student version of ``chapter``) with every solution cell holding the chapter's own answer
+    (markers removed, its grader calls left in their own cells): a hand-in that solved everything."""
+    answers = {c.get("id"): cell_source(c) for c in chapter["cells"] if c.get("cell_type") == "code"}
+    handed_in = deepcopy(student)
+    for cell in handed_in["cells"]:
+        if cell.get("metadata", {}).get("nbgrader", {}).get("solution") and cell.get("id") in answers:
+            code, _ = _split_graders(answers[cell["id"]])
+            cell["source"] = "\n".join(line for line in code.splitlines() if line.strip() not in (BEGIN, END))
+    return handed_in
+
+
 def make_student_notebook(src: Path, dst: Path) -> int:
     """Write the student version of notebook ``src`` to ``dst``; return the number of solutions removed."""
     import nbformat

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit import checks
+from labkit.checks import ch10_preference as checks  # the graders unwrapped: delegating to labkit is refused by the package-level ones (test_checks_refusal.py)
 from labkit import preference as P
 from labkit.checks import CheckFailed
 

@@ -5,7 +5,7 @@ A grader tries random shapes, dtypes and edge cases against the reference. It pr
 on success; on failure it raises :class:`CheckFailed` saying what was tried, what came back,
 what was expected, and a hint.
 """
-from labkit.checks._core import CheckFailed  # noqa: F401
+from labkit.checks._core import CheckFailed, DelegationRefused  # noqa: F401
 from labkit.checks.ch00_foundations import *  # noqa: F401,F403
 from labkit.checks.ch03_attention import *  # noqa: F401,F403
 from labkit.checks.ch07_memory import *  # noqa: F401,F403
@@ -17,3 +17,20 @@ from labkit.checks.ch05_lora import *  # noqa: F401,F403
 from labkit.checks.ch08_parallel import *  # noqa: F401,F403
 from labkit.checks.ch09_hardware import *  # noqa: F401,F403
 from labkit.checks.ch10_preference import *  # noqa: F401,F403
+
+from labkit.checks import _core as _refusal  # noqa: E402
+
+
+def _refuse_delegation_in_every_grader() -> None:
+    """Every grader refuses, while it runs, labkit's own answer to its exercise (see ``_core.DELEGATES``)."""
+    from labkit.checks import (ch00_foundations, ch01_precision, ch02_norms, ch03_attention, ch04_moe, ch05_lora,
+                               ch06_quant, ch07_memory, ch08_parallel, ch09_hardware, ch10_preference)
+
+    for module in (ch00_foundations, ch01_precision, ch02_norms, ch03_attention, ch04_moe, ch05_lora, ch06_quant,
+                   ch07_memory, ch08_parallel, ch09_hardware, ch10_preference):
+        for name in module.__all__:
+            if name in _refusal.DELEGATES:
+                globals()[name] = _refusal.refuse_delegation(getattr(module, name), name)
+
+
+_refuse_delegation_in_every_grader()

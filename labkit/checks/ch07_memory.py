@@ -401,8 +401,11 @@ def _zero_rank(rank: int, world_size: int, path: str, name: str, cases: list[dic
 def _run_ranks(rank_fn, cls, exercise: str, world_size: int, cases: list[dict], timeout: float = 40) -> dict:
     """Launch ``rank_fn`` for the learner's class on ``world_size`` gloo ranks; a learner's exception
     (on whichever rank raised first) or a hang becomes a CheckFailed."""
+    from labkit.checks._remote import Remote, apply
     from labkit.dist import RankFailedError, launch
 
+    if isinstance(cls, Remote):  # labkit.grade: the ranks start from the learner's kernel, their reports come back
+        return apply(_run_ranks, rank_fn, cls, exercise, world_size, cases, timeout)
     path, name = _exercise_file(cls, exercise)
     with tempfile.TemporaryDirectory(prefix="labkit-grader-") as report:
         try:
