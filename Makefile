@@ -33,7 +33,7 @@ SUBMISSIONS   ?= submissions
 GRADES        ?= grades.csv
 GRADE_TIMEOUT ?= 600
 
-.PHONY: lab test test-student test-portable test-browser unit notebooks spread student grade clean-venv
+.PHONY: lab test test-student test-grade test-portable test-browser unit notebooks spread student grade clean-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,10 @@ test: $(VENV)/.installed-test $(LAB_OVERRIDES)
 ## Every chapter's student version run top to bottom: only the grader cells may fail, with "not answered yet".
 test-student: $(VENV)/.installed-test
 	LABKIT_DEVICE=cpu LABKIT_STUDENT_TEST=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -p no:cacheprovider -n $(JOBS) tests/student
+
+## Classroom grading against forged submissions: a class of honest and attacking hand-ins, each must grade as expected.
+test-grade: $(VENV)/.installed-test
+	LABKIT_DEVICE=cpu LABKIT_GRADING_TEST=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -p no:cacheprovider tests/grading
 
 ## The notebooks once more under another CPU code path and thread count (CI runs it after `make test`).
 ## Then, pass or fail, the claims that had the least room on this machine (from build/claims-portable.jsonl).

@@ -27,8 +27,11 @@ patches ``labkit.checks``, ``CheckFailed``, ``torch.allclose``, builtins or ``sy
 a pass line, exits a cell early, calls ``sys.exit``/``os._exit``, or edits its stored outputs changes nothing but
 its own kernel. While the learner's code runs, labkit's own implementation of the exercise refuses to run for
 it (``labkit.checks._core.DELEGATES``). A run that outlasts the time limit, leaves a process behind (found by a
-marker in its environment, even as a daemon) or changes a file in the teacher's folders (the chapters, the
-submissions, the CSV's folder) is graded ``error``. Files it leaves in its own folders are reported in rows
+marker in its environment, even as a daemon), changes a file of the teacher's (the chapters, the submissions,
+an earlier run's CSV and reports) or reads an earlier run's CSV or reports (seen through the file's access time,
+under Linux's default ``relatime``; the CSV is also written readable by its owner only) is graded ``error``.
+One grader runs in the learner's process: chapter 05's ``LoRALinear``, which probes the layers the learner's
+class makes in place; a determined submission could forge that verdict. Files it leaves in its own folders are reported in rows
 with the exercise ``(notebook)`` and the result ``contained``.
 
 What it does not guarantee: that the learner wrote the answer (a classmate's or a copied one passes like any
@@ -598,10 +601,10 @@ def grade(submissions: list[Path], reference: Path, timeout: float, jobs: int = 
         raise ValueError(f"jobs={jobs}: expected at least 1")
     references = load_references(reference)
     found = find_submissions(submissions)
-    # The teacher's files: the chapters (with their solutions) and an earlier run's grades, watched for reads and
-    # writes; the submissions, which the grading itself reads, for writes.
-    private = [Path(reference), *([Path(out), Path(reports or Path(out).parent / "reports")] if out is not None else [])]
-    watched = [(path, True) for path in private] + [(Path(path), False) for path in submissions]
+    # The teacher's files: an earlier run's grades, watched for reads and writes; the chapters (public: the
+    # course's repository has their solutions) and the submissions (read by the grading itself), for writes.
+    private = [Path(out), Path(reports or Path(out).parent / "reports")] if out is not None else []
+    watched = [(path, True) for path in private] + [(Path(path), False) for path in (reference, *submissions)]
     arm_read_detection(fingerprint(private))
     user = _unprivileged_user()
     with ThreadPoolExecutor(max_workers=jobs) as pool:

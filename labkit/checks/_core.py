@@ -194,6 +194,13 @@ def kernel_device(name: str) -> str | None:
 def expect_jit_kernel(kernel, name: str) -> None:
     from triton.runtime.jit import KernelInterface
 
+    from labkit.checks._remote import Remote
+
+    if isinstance(kernel, Remote):  # labkit.grade: the kernel stays in the learner's process
+        if kernel.describe()["kind"] == "jit":
+            return
+        fail(f"{name}: checking what was passed", f"a {kernel.describe()['type']}", "a @triton.jit function",
+             "decorate the kernel with @triton.jit and pass the decorated function itself (not a call of it)")
     if not isinstance(kernel, KernelInterface):
         fail(f"{name}: checking what was passed", f"a {type(kernel).__name__}", "a @triton.jit function",
              "decorate the kernel with @triton.jit and pass the decorated function itself (not a call of it)")
@@ -215,9 +222,11 @@ def _not_implemented_in(err: BaseException) -> NotImplementedError | None:
 def call_kernel(launch, tried: str, *args, hint: str):
     """:func:`call` for a launcher of the learner's ``@triton.jit`` code: an error that the kernel's
     ``raise NotImplementedError`` caused counts as "not answered yet", like in a plain function."""
+    from labkit.checks._remote import apply
+
     def unwrapped(*launch_args):
         try:
-            return launch(*launch_args)
+            return apply(launch, *launch_args)  # where the learner's kernel is (labkit.grade: its process)
         except NotImplementedError:
             raise
         except Exception as err:  # the learner's kernel may fail to compile or run in any way

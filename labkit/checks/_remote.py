@@ -465,10 +465,10 @@ def _namespace() -> dict:
     return vars(sys.modules["__main__"])
 
 
-def _resolve(expression: str):
-    """The object a dotted name reaches in the learner's namespace."""
+def _resolve(expression: str, namespace: dict | None = None):
+    """The object a dotted name reaches in the learner's namespace (the kernel's, unless one is given)."""
     head, *rest = expression.split(".")
-    namespace = _namespace()
+    namespace = _namespace() if namespace is None else namespace
     if head not in namespace:
         raise NameError(f"name {head!r} is not defined (did the cell that defines it run without an error?)")
     value = namespace[head]
@@ -498,18 +498,18 @@ def _describe(obj) -> dict:
             "module": module, "file": path, "bases": bases, "type": type(obj).__name__}
 
 
-def _fill(skeleton, refs: list):
+def _fill(skeleton, refs: list, namespace: dict | None):
     if isinstance(skeleton, dict):
         if "@handle" in skeleton:
-            return _resolve(skeleton["@handle"])
+            return _resolve(skeleton["@handle"], namespace)
         if "@ref" in skeleton:
             return refs[skeleton["@ref"]]
         if "@tuple" in skeleton:
-            return tuple(_fill(v, refs) for v in skeleton["@tuple"])
+            return tuple(_fill(v, refs, namespace) for v in skeleton["@tuple"])
         if "@dict" in skeleton:
-            return {k: _fill(v, refs) for k, v in skeleton["@dict"]}
+            return {k: _fill(v, refs, namespace) for k, v in skeleton["@dict"]}
     if isinstance(skeleton, list):
-        return [_fill(v, refs) for v in skeleton]
+        return [_fill(v, refs, namespace) for v in skeleton]
     return skeleton
 
 
@@ -522,7 +522,7 @@ def _not_implemented(err: BaseException) -> bool:
     return "NotImplementedError" in str(err)
 
 
-def _call(request: dict):
+def _call(request: dict, namespace: dict | None):
     from labkit.checks._core import refusing
 
     refs = request["refs"]
@@ -530,9 +530,9 @@ def _call(request: dict):
         if grad:
             ref.requires_grad_(True)
     modules = [parameter_ids(r) if isinstance(r, torch.nn.Module) else None for r in refs]
-    args, kwargs = _fill(request["args"], refs)
+    args, kwargs = _fill(request["args"], refs, namespace)
     harness = request["harness"]
-    with refusing(request.get("exercise", "")):
+    with refusing(request.get("exercise", "")), torch.enable_grad():  # as a direct call in a notebook would run
         result = args[0](*args[1:], **kwargs) if harness is None else harness(*args, **kwargs)
     encoded = encode(result)
     inputs = [r for r, g in zip(refs, request["requires_grad"]) if g]
@@ -560,22 +560,24 @@ def _backward(request: dict):
     pairs = [(o, g) for o, g in zip(outputs, request["grads"]) if o is not None and g is not None]
     if not pairs:
         return [None] * len(inputs)
-    grads = torch.autograd.grad([o for o, _ in pairs], inputs, [g.to(o.device) for o, g in pairs],
-                                allow_unused=True, retain_graph=True)
+    with torch.enable_grad():
+        grads = torch.autograd.grad([o for o, _ in pairs], inputs, [g.to(o.device) for o, g in pairs],
+                                    allow_unused=True, retain_graph=True)
     return [encode(g) for g in grads]
 
 
-def handle(request_bytes: bytes) -> bytes:
-    """One request from the grading process, answered (never raises: an exception is the reply)."""
+def handle(request_bytes: bytes, namespace: dict | None = None) -> bytes:
+    """One request from the grading process, answered (never raises: an exception is the reply); names are
+    looked up in ``namespace`` (default: the kernel's)."""
     try:
         request = torch.load(io.BytesIO(request_bytes), weights_only=False)  # from the grader: trusted
         op = request["op"]
         if op == "call":
-            value = _call(request)
+            value = _call(request, namespace)
         elif op == "backward":
             value = _backward(request)
         elif op == "describe":
-            value = _describe(_resolve(request["target"]))
+            value = _describe(_resolve(request["target"], namespace))
         elif op == "release":
             _graphs.clear()
             value = None

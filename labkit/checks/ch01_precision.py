@@ -90,6 +90,10 @@ class FormatFields:
     def __setattr__(self, attr, value):
         raise AttributeError("the format is read-only")
 
+    def __setstate__(self, state):  # unpickled in the learner's kernel (labkit.grade sends it there)
+        for field, value in (state[1] if isinstance(state, tuple) else state).items():
+            object.__setattr__(self, field, value)
+
     def __repr__(self):
         return (f"FloatFormat({self.name!r}, exponent_bits={self.exponent_bits}, mantissa_bits={self.mantissa_bits}, "
                 f"bias={self.bias}, specials={self.specials!r})")

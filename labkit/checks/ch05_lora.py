@@ -64,6 +64,17 @@ def _reference(base, x, A, B, scaling) -> torch.Tensor:
 
 
 def LoRALinear(cls) -> None:  # noqa: N802  (named after the class the learner writes)
+    """Grade the learner's LoRA layer class (see :func:`_grade_lora_class`). Under ``labkit.grade`` the layers it
+    makes are probed in place (parameters edited, backward run), so this grader runs where the class lives, in the
+    learner's process: the one grader whose verdict comes from there (``labkit.grade`` says so)."""
+    from labkit.checks._remote import Remote, apply
+
+    if isinstance(cls, Remote):
+        return apply(_grade_lora_class, cls)
+    return _grade_lora_class(cls)
+
+
+def _grade_lora_class(cls) -> None:
     """Grade ``cls(base, r, alpha, dropout=0.0, use_rslora=False)``: an ``nn.Module`` with
     parameters ``lora_A`` ``[r, d_in]`` (Kaiming-uniform, ``|A| <= 1/sqrt(d_in)``) and ``lora_B``
     ``[d_out, r]`` (zeros) in the base weight's dtype, the base frozen, and
