@@ -115,6 +115,13 @@ def test_gradients_flow_back_through_the_learner_process():
     assert torch.allclose(x.grad, w.detach().expand(3, 4)) and torch.allclose(w.grad, x.detach().sum(0))
 
 
+def test_gradients_reach_the_parameters_of_a_module_argument():
+    model = torch.nn.Linear(3, 2)
+    loss = handle(fn=lambda m, x: m(x).pow(2).sum())(model, torch.randn(4, 3))
+    loss.backward()
+    assert model.weight.grad is not None and model.weight.grad.abs().sum() > 0 and model.bias.grad is not None
+
+
 def test_a_module_argument_comes_back_with_its_parameters_flags_and_attributes():
     def merge(model):
         with torch.no_grad():

@@ -75,7 +75,7 @@ def _named(cache: dict, name: str, base: type) -> type:
 
 
 def _exception(kind: str, message: str, remote_traceback: str, not_implemented: bool) -> Exception:
-    from labkit.checks._core import CheckFailed
+    from labkit.checks._errors import CheckFailed
 
     if not_implemented:
         error = NotImplementedError(message)
@@ -328,14 +328,18 @@ def apply(harness, *args, **kwargs):
         return value
 
     skeleton = strip((list(args), kwargs))
-    grad_inputs = [i for i, r in enumerate(refs) if isinstance(r, torch.Tensor) and r.requires_grad]
+    grad_inputs = [r for r in refs if isinstance(r, torch.Tensor) and r.requires_grad]
+    # a module's trainable parameters are inputs too: a loss computed from a model sends gradients back to them
+    module_params = [[n for n, p in r.named_parameters() if p.requires_grad] if isinstance(r, torch.nn.Module) else []
+                     for r in refs]
+    grad_inputs += [dict(r.named_parameters())[n] for r, names in zip(refs, module_params) for n in names]
     request = {"op": "call", "harness": harness, "args": skeleton, "exercise": exercise,
                "refs": [r.detach() if isinstance(r, torch.Tensor) else r for r in refs],
                "requires_grad": [bool(isinstance(r, torch.Tensor) and r.requires_grad) for r in refs],
-               "call": uuid.uuid4().hex}
+               "module_params": module_params, "call": uuid.uuid4().hex}
     if grad_inputs:
         box = {}
-        outputs = _RemoteCall.apply(transport, request, box, *(refs[i] for i in grad_inputs))
+        outputs = _RemoteCall.apply(transport, request, box, *grad_inputs)
         reply = box["reply"]
         tensors = iter(outputs)
         result = _rebuild(reply["result"], lambda: next(tensors))
@@ -523,7 +527,7 @@ def _not_implemented(err: BaseException) -> bool:
 
 
 def _call(request: dict, namespace: dict | None):
-    from labkit.checks._core import refusing
+    from labkit.checks._refusal import refusing
 
     refs = request["refs"]
     for ref, grad in zip(refs, request["requires_grad"]):
@@ -536,6 +540,7 @@ def _call(request: dict, namespace: dict | None):
         result = args[0](*args[1:], **kwargs) if harness is None else harness(*args, **kwargs)
     encoded = encode(result)
     inputs = [r for r, g in zip(refs, request["requires_grad"]) if g]
+    inputs += [dict(r.named_parameters())[n] for r, names in zip(refs, request.get("module_params", [])) for n in names]
     if inputs:
         outputs = [e["data"] for e in _result_tensors(encoded)]
         originals = _original_tensors(result)
