@@ -112,7 +112,22 @@ def device() -> torch.device:
     return _device
 
 
+SEED_ENV = "LABKIT_SEED"
+
+
+def run_seed(seed: int = 0) -> int:
+    """``seed`` shifted by the ``LABKIT_SEED`` environment variable (an integer, default 0). Every seed a
+    chapter's training runs draw (through :func:`seed_everything` and the topic modules) goes through it,
+    so ``make spread`` can rerun a chapter's training claims with other seeds; unset, nothing changes."""
+    text = os.environ.get(SEED_ENV, "").strip()
+    try:
+        return seed + int(text or 0)
+    except ValueError:
+        raise ValueError(f"{SEED_ENV}={text!r}: expected an integer (a shift of every seed), or unset") from None
+
+
 def seed_everything(seed: int = 0) -> None:
+    seed = run_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
