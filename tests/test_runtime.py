@@ -83,3 +83,21 @@ def test_without_triton_everything_but_the_kernels_works(tmp_path):
     result = _run(code, PYTHONPATH=str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert "ImportError: labkit.kernels.rmsnorm: Triton is not installed" in result.stdout
+
+
+def test_labkit_seed_shifts_every_seed(monkeypatch):
+    from labkit.runtime import run_seed, seed_everything
+
+    monkeypatch.delenv("LABKIT_SEED", raising=False)
+    assert run_seed(7) == 7
+    seed_everything(0)
+    unset = torch.rand(3)
+    monkeypatch.setenv("LABKIT_SEED", "2")
+    assert run_seed(7) == 9
+    seed_everything(0)
+    shifted = torch.rand(3)
+    torch.manual_seed(2)
+    assert torch.equal(shifted, torch.rand(3)) and not torch.equal(shifted, unset)
+    monkeypatch.setenv("LABKIT_SEED", "two")
+    with pytest.raises(ValueError, match="LABKIT_SEED"):
+        run_seed(0)
