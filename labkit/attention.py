@@ -19,6 +19,7 @@ from labkit.model import PRESETS, ModelConfig, TransformerLM, config_from, count
 # that labkit.model.generate can use it without importing this chapter; re-exported here
 # because the chapter builds and reads it as attention.KVCache.
 from labkit.nn import KVCache, causal_mask, scaled_dot_product_attention
+from labkit.runtime import run_seed
 from labkit.train import TrainConfig, estimate_loss, train
 
 
@@ -351,7 +352,7 @@ def convert_and_uptrain(model: TransformerLM, task: ArithmeticTask, config: Trai
     for name, num_kv_heads in variants.items():
         converted = convert_kv_heads(model, num_kv_heads)
         converted_loss, converted_accuracy = measure(converted)
-        torch.manual_seed(seed)
+        torch.manual_seed(run_seed(seed))
         train(converted, train_tokens, None, config, progress=False)
         converted.eval()
         uptrained_loss, uptrained_accuracy = measure(converted)

@@ -43,6 +43,7 @@ from labkit.memory import (DTYPES, OPTIMIZER_STATES, SavedTensorMeter, activatio
 from labkit.model import ModelConfig, TransformerLM
 from labkit.nn import Linear
 from labkit.quant import QuantLinear
+from labkit.runtime import run_seed
 from labkit.train import AdamW, clip_grad_norm, cross_entropy, lr_cosine_schedule
 
 ALL_LINEAR = "all-linear"
@@ -747,7 +748,7 @@ def finetune(model: nn.Module, task: ArithmeticTask, steps: int = 300, lr: float
         raise ValueError("model: no parameter requires a gradient; there is nothing to fine-tune")
     device = params[0].device
     examples = _examples(task, "train", device)
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(run_seed(seed))
     optimizer = AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
     min_lr = lr / 10 if min_lr is None else min_lr
     model.train()
@@ -807,7 +808,7 @@ def finetune_run(base: nn.Module, new_task: ArithmeticTask, old_task: Arithmetic
     if targets is None and any(isinstance(m, QuantLinear) for m in base.modules()):
         raise ValueError("targets=None (full fine-tuning) of a quantized model: its 4-bit weights cannot train; give targets (QLoRA)")
     model = copy.deepcopy(base)
-    torch.manual_seed(seed)
+    torch.manual_seed(run_seed(seed))
     if targets is None:
         model.requires_grad_(True)
         method, label, rank = "full", "-", None

@@ -59,6 +59,7 @@ from labkit.experts import (  # noqa: F401  (re-exported for the chapter)
 from labkit.hardware import timeit
 from labkit.model import MOE_PRESETS, ModelConfig, TransformerLM, count_active_parameters, count_parameters
 from labkit.quant import DEEPSEEK_V3, deepseek_v3_parameters
+from labkit.runtime import run_seed
 from labkit.train import TrainConfig, cross_entropy, train
 
 # ============================================================================ sizes of published models
@@ -362,7 +363,7 @@ def _train_config(steps: int | None) -> TrainConfig:
 
 
 def _train_model(config: ModelConfig, data: np.ndarray, steps: int | None, seed: int, callback=None):
-    torch.manual_seed(seed)
+    torch.manual_seed(run_seed(seed))
     model = TransformerLM(config)
     history = train(model, data, data, _train_config(steps), device="cpu", callback=callback, progress=False)
     return model, history
@@ -446,7 +447,7 @@ def balancing_experiment(strategies=tuple(BALANCING), num_experts: int = 8, top_
             shares = torch.stack([m.stats.tokens_per_expert.float() / m.stats.tokens_per_expert.sum() for m in layers])
             utilisation.append(shares.mean(0))
 
-        torch.manual_seed(seed)
+        torch.manual_seed(run_seed(seed))
         holder["model"] = model = TransformerLM(config)
         history = train(model, data, data, _train_config(steps), device="cpu", callback=record, progress=False)
         util = torch.stack(utilisation)
@@ -621,7 +622,7 @@ def routing_explorer(num_experts: int, top_k: int, capacity_factor: float | None
         raise ValueError(f"balance_weight={balance_weight!r}: expected a non-negative number")
     if not math.isfinite(skew):
         raise ValueError(f"skew={skew!r}: expected a finite number")
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(run_seed(seed))
     x = torch.randn(num_tokens, d_model, generator=gen)
     weight = (torch.randn(num_experts, d_model, generator=gen) * 0.3).requires_grad_()
     preference = torch.linspace(1.0, -1.0, num_experts) if num_experts > 1 else torch.zeros(1)

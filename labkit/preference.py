@@ -35,6 +35,7 @@ from labkit.data import OPS, ArithmeticTask
 from labkit.model import TransformerLM, generate
 from labkit.nn import Linear
 from labkit.pretrained import RECIPE, SEED, adder_task
+from labkit.runtime import run_seed
 from labkit.train import AdamW, atomic_save, clip_grad_norm, lr_cosine_schedule, train
 
 PREFERENCES = ("correct", "concise")
@@ -213,7 +214,7 @@ def make_preference_pairs(task: ArithmeticTask, split: str = "train", preference
         raise ValueError(f"preference={preference!r}: expected one of {PREFERENCES}")
     if not isinstance(noise, (int, float)) or not 0.0 <= noise <= 1.0:
         raise ValueError(f"noise={noise!r}: expected a probability in [0, 1]")
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(run_seed(seed))
     operands = task.pairs(split)
     operands = operands[rng.permutation(len(operands))][:max_pairs]
     if len(operands) == 0:
@@ -567,7 +568,7 @@ def _fit(params: list, steps: int, lr: float, step_loss: Callable[[int], torch.T
 
 
 def _batches(n: int, batch_size: int, seed: int):
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(run_seed(seed))
     return lambda: torch.randint(n, (min(batch_size, n),), generator=generator)
 
 
@@ -654,7 +655,7 @@ def train_grpo(policy: nn.Module, ref: nn.Module, task: ArithmeticTask, reward_f
     device = next(policy.parameters()).device
     operands = task.pairs("train")
     draw = _batches(len(operands), prompts_per_step, seed)
-    generator = torch.Generator().manual_seed(seed + 1)
+    generator = torch.Generator().manual_seed(run_seed(seed + 1))
     optimizer = AdamW(_trainable(policy), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     log: dict = {"step": [], "eval_step": []}
 
