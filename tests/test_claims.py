@@ -85,6 +85,21 @@ def test_expect_logs_values_for_measuring_the_spread(tmp_path, monkeypatch):
                        {"claim": "a flag", "value": True, "bounds": None}]
 
 
+def test_a_measurement_run_may_keep_going_past_a_failed_claim(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LABKIT_CLAIMS_KEEP_GOING", "1")
+    with pytest.raises(ClaimFailed):  # without a log nothing records it: it still raises
+        expect(3.0, "a loss", between=(1, 2))
+    log = tmp_path / "claims.jsonl"
+    monkeypatch.setenv("LABKIT_CLAIMS_LOG", str(log))
+    expect(3.0, "a loss", between=(1, 2))
+    expect(False, "a flag")
+    assert [json.loads(line)["value"] for line in log.read_text().splitlines()] == [3.0, False]
+    assert "Claim not met: a loss" in capsys.readouterr().out
+    monkeypatch.setenv("LABKIT_CLAIMS_KEEP_GOING", "0")
+    with pytest.raises(ClaimFailed):
+        expect(3.0, "a loss", between=(1, 2))
+
+
 def test_exported_from_the_package():
     assert labkit.about is about and labkit.expect is expect
 
