@@ -82,6 +82,14 @@ test-portable: $(VENV)/.installed-test
 	LABKIT_DEVICE=cpu LABKIT_CLAIMS_LOG=$(CURDIR)/build/claims-portable.jsonl $(PORTABLE_ENV) \
 		$(BIN)/python -m pytest -p no:cacheprovider $(NBVAL) notebooks; $(call report_margins,build/claims-portable.jsonl)
 
+## The chapters with timing claims under nbval on the portable code path while two busy processes share the cores
+## (tests/busy.py starts them, ends them with the run, whatever way it ends); then the claims with the least room.
+test-load: $(VENV)/.installed-test
+	@mkdir -p build && rm -f build/claims-load.jsonl
+	LABKIT_DEVICE=cpu LABKIT_CLAIMS_LOG=$(CURDIR)/build/claims-load.jsonl $(PORTABLE_ENV) \
+		$(BIN)/python tests/busy.py --procs 2 --seconds $(LOAD_SECONDS) -- \
+		$(BIN)/python -m pytest -p no:cacheprovider $(NBVAL) $(LOAD_NOTEBOOKS); $(call report_margins,build/claims-load.jsonl)
+
 ## Every chapter in JupyterLab in headless Chromium: Run All, no errors, widgets render and react to a control.
 ## Screenshots go to build/screenshots/, the claims with the least room after it. One chapter: make test-browser PYTEST_ARGS="-k 00_foundations".
 test-browser: $(VENV)/.installed-browser
@@ -92,7 +100,9 @@ test-browser: $(VENV)/.installed-browser
 		$(BIN)/python -m pytest -p no:cacheprovider -n $(BROWSER_JOBS) tests/browser $(PYTEST_ARGS); \
 		$(call report_margins,build/claims-browser.jsonl)
 
-## Measure how far each chapter's asserted numbers move across instruction sets and thread counts.
+## Measure how far each chapter's asserted numbers move across instruction sets, thread counts, load (the
+## scalar path beside two busy processes) and, for the chapters with training claims, seeds (LABKIT_SEED=1..4);
+## ends with each claim's worst headroom over all of them. NB=... for some chapters (hours for all of them).
 spread: $(VENV)/.installed-test
 	LABKIT_DEVICE=cpu $(BIN)/python tests/claim_spread.py $(NB)
 

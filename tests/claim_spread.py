@@ -1,11 +1,18 @@
 """How far do the chapters' asserted numbers move from machine to machine? (``make spread``)
 
-Runs each notebook under several CPU code paths and thread counts, with ``LABKIT_CLAIMS_LOG``
-set so every ``labkit.expect(...)`` records its value, and prints, per claim, the smallest and
-largest value seen next to the range the chapter accepts. A tolerance should sit well outside
-the measured spread; a claim whose spread comes close to its bounds is flagged.
+Runs each notebook under several conditions, with ``LABKIT_CLAIMS_LOG`` set so every ``labkit.expect(...)``
+records its value (and ``LABKIT_CLAIMS_KEEP_GOING`` so that a claim that fails does not hide the ones after
+it), and prints, per claim, the smallest and largest value seen next to the range the chapter accepts and its
+worst headroom (0 = on a bound, see :func:`headroom`) with the condition it came from; at the end, the claims
+with the least headroom over every notebook and condition. A tolerance should sit well outside the measured
+spread; a claim whose spread comes close to its bounds is flagged.
 
-    python tests/claim_spread.py notebooks/01_precision.ipynb [--variants native-1,default-2]
+The conditions: CPU code paths and thread counts (the order of float reductions), ``loaded`` (the scalar
+code path and 2 threads beside two busy processes, as ``make test-load`` runs the timing claims), and for
+the chapters whose claims come from training runs (:data:`SEEDED`), the seeds ``LABKIT_SEED=1..4`` next
+to the stored run's 0.
+
+    python tests/claim_spread.py notebooks/01_precision.ipynb [--variants native-1,default-2] [--no-seeds]
 
 ``--margins LOG`` instead reads a log that a test run wrote (``make test-portable`` and ``make
 test-browser`` keep one in ``build/``) and prints the claims that came closest to their bounds on
@@ -24,22 +31,45 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+import busy as busy_processes  # noqa: E402  (tests/busy.py: competing busy processes)
+
 # Each variant changes the order of floating-point reductions: PyTorch's kernels for another
-# instruction set (ATEN_CPU_CAPABILITY, with MKL told the same) or another number of threads.
+# instruction set (ATEN_CPU_CAPABILITY, with MKL told the same) or another number of threads; "loaded"
+# also runs BUSY competing processes beside the notebook (the timing claims' hardest condition).
+SCALAR = {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}
 VARIANTS = {
     "native-1": {"OMP_NUM_THREADS": "1"},
     "native-2": {"OMP_NUM_THREADS": "2"},
     "avx2-1": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "OMP_NUM_THREADS": "1"},
-    "default-2": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "OMP_NUM_THREADS": "2"},
+    "default-2": {**SCALAR, "OMP_NUM_THREADS": "2"},
+    "loaded": {**SCALAR, "OMP_NUM_THREADS": "2"},
 }
+BUSY = {"loaded": 2}  # variant -> competing busy processes (tests/busy.py)
+# Chapters whose claims come from training runs: also run with LABKIT_SEED = 1..4 (0 is native-1's run).
+SEEDED = ("00_foundations", "01_precision", "02_norms_activations", "03_attention_kv_cache", "04_mixture_of_experts",
+          "05_lora_peft", "10_preference_learning")
+SEEDS = {f"seed-{k}": {"OMP_NUM_THREADS": "1", "LABKIT_SEED": str(k)} for k in range(1, 5)}
 
 
-def run_notebook(notebook: Path, env_changes: dict, log: Path, out_dir: Path) -> float:
-    env = {**os.environ, **env_changes, "LABKIT_DEVICE": "cpu", "LABKIT_CLAIMS_LOG": str(log)}
+def run_notebook(notebook: Path, env_changes: dict, log: Path, out_dir: Path, busy: int = 0) -> float:
+    """Seconds to run ``notebook`` with ``env_changes``, beside ``busy`` competing busy processes."""
+    env = {**os.environ, **env_changes, "LABKIT_DEVICE": "cpu", "LABKIT_CLAIMS_LOG": str(log), "LABKIT_CLAIMS_KEEP_GOING": "1"}
     start = time.monotonic()
-    subprocess.run([sys.executable, "-m", "labkit.execute", "--timeout", "600", "--output-dir", str(out_dir), str(notebook)],
-                   env=env, check=True, capture_output=True)
+    spinners = busy_processes.start_spinners(busy, 1800) if busy else []
+    try:
+        subprocess.run([sys.executable, "-m", "labkit.execute", "--timeout", "600", "--output-dir", str(out_dir), str(notebook)],
+                       env=env, check=True, capture_output=True)
+    finally:
+        busy_processes.stop(spinners)
     return time.monotonic() - start
+
+
+def room_of(value, bounds) -> float:
+    """:func:`headroom` of one log entry (a True/False claim: 1 if it held, -inf if not)."""
+    if bounds is None:
+        return 1.0 if value else -math.inf
+    return headroom(value, *bounds)
 
 
 def headroom(value: float, low: float, high: float) -> float:
@@ -63,10 +93,7 @@ def print_margins(log: Path, top: int) -> None:
     worst = {}
     for line in log.read_text(encoding="utf-8").splitlines() if log.exists() else []:
         entry = json.loads(line)
-        if entry["bounds"] is None:  # a True/False claim: only a False one is worth a line
-            room = 1.0 if entry["value"] else -math.inf
-        else:
-            room = headroom(entry["value"], *entry["bounds"])
+        room = room_of(entry["value"], entry["bounds"])  # a True/False claim: only a False one is worth a line
         if entry["claim"] not in worst or room < worst[entry["claim"]][0]:
             worst[entry["claim"]] = (room, entry)
     print(f"claims with the least headroom in {log} ({len(worst)} claims; 0 = on a bound):")
@@ -76,41 +103,69 @@ def print_margins(log: Path, top: int) -> None:
         print(f"  {room:6.2f}  {seen:28s} {entry['claim'][:110]}")
 
 
+def report(notebook: str, values: dict, bounds: dict) -> list[tuple]:
+    """Print one notebook's claims (``values[claim][variant]``); return ``(room, variant, claim, value, bounds)``
+    of each claim's worst record."""
+    print(f"\n{notebook}")
+    worst = []
+    for claim, seen in values.items():
+        room, variant = min((room_of(v, bounds[claim]), name) for name, v in seen.items())
+        worst.append((room, variant, claim, seen[variant], bounds[claim]))
+        if bounds[claim] is None:  # a True/False claim
+            print(f"  {'ok ' if all(seen.values()) else 'BAD'} {claim}: {seen}")
+            continue
+        low, high = bounds[claim]
+        lo, hi = min(seen.values()), max(seen.values())
+        # flag a spread that uses more than half of the room between the bounds and the values
+        tight = min(lo - low, high - hi) < (hi - lo)
+        status = "BAD" if lo < low or hi > high else ("tight" if tight else "ok ")
+        print(f"  {status} {claim}: seen {lo:.6g} .. {hi:.6g}, accepted {low:.6g} .. {high:.6g}, "
+              f"worst headroom {room:.2f} ({variant})  {seen}")
+    return worst
+
+
+def print_worst(worst: list[tuple], top: int) -> None:
+    """The ``top`` claims with the least headroom over every notebook and condition."""
+    print(f"\nleast headroom over all conditions ({len(worst)} claims; 0 = on a bound):")
+    for room, variant, claim, value, bounds in sorted(worst, key=lambda item: item[0])[:top]:
+        seen = f"{value:.4g} in [{bounds[0]:.4g}, {bounds[1]:.4g}]" if bounds else str(value)
+        print(f"  {room:6.2f}  {variant:10s} {seen:28s} {claim[:100]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("notebooks", nargs="*", type=Path)
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names from: " + ", ".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names from: " + ", ".join([*VARIANTS, *SEEDS]))
+    parser.add_argument("--no-seeds", action="store_true", help=f"skip the seed variants of the training chapters ({', '.join(SEEDS)})")
     parser.add_argument("--margins", type=Path, metavar="LOG", help="print the tightest claims of a claims log and exit")
-    parser.add_argument("--top", type=int, default=12, help="with --margins: how many claims to print")
+    parser.add_argument("--top", type=int, default=12, help="with --margins: how many claims to print (and in the final summary)")
     args = parser.parse_args()
     if args.margins:
         print_margins(args.margins, args.top)
         return
     notebooks = args.notebooks or sorted(Path("notebooks").glob("[0-9]*.ipynb"))
-    variants = {name: VARIANTS[name] for name in args.variants.split(",")}
+    known = {**VARIANTS, **SEEDS}
+    variants = {name: known[name] for name in args.variants.split(",")}
+    worst = []
     with tempfile.TemporaryDirectory(prefix="labkit-spread-") as tmp:
         for notebook in notebooks:
             values, bounds = defaultdict(dict), {}
-            for name, env_changes in variants.items():
+            runs = dict(variants)
+            if not args.no_seeds and notebook.stem in SEEDED:
+                runs.update(SEEDS)
+            for name, env_changes in runs.items():
                 log = Path(tmp) / f"{notebook.stem}-{name}.jsonl"
-                seconds = run_notebook(notebook, env_changes, log, Path(tmp))
+                seconds = run_notebook(notebook, env_changes, log, Path(tmp), busy=BUSY.get(name, 0))
                 print(f"{notebook.name} [{name}] ran in {seconds:.0f} s", file=sys.stderr)
                 for line in log.read_text().splitlines() if log.exists() else []:
                     entry = json.loads(line)
-                    values[entry["claim"]][name] = entry["value"]
+                    # a claim checked several times in one run (a loop over cases) keeps its worst record
+                    old = values[entry["claim"]].get(name)
+                    if old is None or room_of(entry["value"], entry["bounds"]) < room_of(old, entry["bounds"]):
+                        values[entry["claim"]][name] = entry["value"]
                     bounds[entry["claim"]] = entry["bounds"]
-            print(f"\n{notebook.name}")
-            for claim, seen in values.items():
-                if bounds[claim] is None:  # a True/False claim
-                    print(f"  {'ok ' if all(seen.values()) else 'BAD'} {claim}: {seen}")
-                    continue
-                low, high = bounds[claim]
-                lo, hi = min(seen.values()), max(seen.values())
-                # flag a spread that uses more than half of the room between the bounds and the values
-                room = min(lo - low, high - hi)
-                tight = room < (hi - lo)
-                status = "BAD" if lo < low or hi > high else ("tight" if tight else "ok ")
-                print(f"  {status} {claim}: seen {lo:.6g} .. {hi:.6g}, accepted {low:.6g} .. {high:.6g}  {seen}")
+            worst += report(notebook.name, values, bounds)
+    print_worst(worst, args.top)
 
 
 if __name__ == "__main__":

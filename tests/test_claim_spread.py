@@ -44,3 +44,23 @@ def test_the_report_lists_the_worst_record_of_each_claim_tightest_first(tmp_path
 def test_a_missing_log_reports_no_claims(tmp_path, capsys):
     claim_spread.print_margins(tmp_path / "absent.jsonl", top=5)
     assert "0 claims" in capsys.readouterr().out
+
+
+def test_a_notebooks_report_gives_each_claims_worst_condition(capsys):
+    values = {"speed-up": {"native-1": 10.0, "loaded": 3.3, "seed-1": 8.0}, "flag": {"native-1": True, "seed-1": True}}
+    bounds = {"speed-up": (3, math.inf), "flag": None}
+    worst = claim_spread.report("09_x.ipynb", values, bounds)
+    assert [(variant, claim) for _, variant, claim, _, _ in worst] == [("loaded", "speed-up"), ("native-1", "flag")]
+    assert math.isclose(worst[0][0], 0.3 / 3.3)
+    out = capsys.readouterr().out
+    assert "worst headroom 0.09 (loaded)" in out and "ok  flag" in out
+    claim_spread.print_worst(worst, top=5)
+    lines = capsys.readouterr().out.splitlines()
+    assert "2 claims" in lines[1] and lines[2].split()[1] == "loaded" and "3.3 in [3, inf]" in lines[2]
+
+
+def test_the_loaded_condition_runs_the_scalar_path_beside_two_busy_processes():
+    assert claim_spread.BUSY == {"loaded": 2}
+    assert claim_spread.VARIANTS["loaded"]["ATEN_CPU_CAPABILITY"] == "default"
+    assert sorted(claim_spread.SEEDS) == [f"seed-{k}" for k in range(1, 5)]  # with the stored run's seed 0: five
+    assert all(env["LABKIT_SEED"] == name.split("-")[1] for name, env in claim_spread.SEEDS.items())
