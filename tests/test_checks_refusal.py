@@ -97,3 +97,20 @@ def test_everything_is_restored_after_a_grader_and_labkit_keeps_working_inside_i
         with pytest.raises(DelegationRefused):
             labkit.data.get_batch(np.arange(100), 2, 8, "cpu")
     assert labkit.data.get_batch(np.arange(100), 2, 8, "cpu")[0].shape == (2, 8)
+
+
+def test_labkits_class_refuses_while_grading_and_builds_as_before_afterwards():
+    # CI once failed here: the class refused through an assigned __new__, and deleting it afterwards left
+    # CPython's constructor slot stale, so every later LoRALinear(base, r=...) raised a TypeError.
+    from labkit.lora import LoRALinear
+
+    def build():
+        return LoRALinear(torch.nn.Linear(8, 6), r=2, alpha=4)
+
+    before = build()
+    with _core.refusing("LoRALinear"):
+        with pytest.raises(DelegationRefused, match="LoRALinear"):
+            build()
+    for _ in range(2):
+        layer = build()
+        assert type(layer) is LoRALinear and layer.lora_A.shape == before.lora_A.shape == (2, 8)
