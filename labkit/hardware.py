@@ -554,34 +554,45 @@ def bandwidth_sweep(sizes: Iterable[int], mode: str = "read", traffic_bytes: int
     stride-0 view (``buf.expand(reps, n)``), so a 32 KiB buffer is read over and over from L1 within
     one call, without a Python loop or a kernel launch per pass. ``mode="copy"``: ``dst.copy_(src)``
     of the working set (half source, half destination) repeated in a Python loop; each call's
-    dispatch (about a microsecond) caps the small sizes. One thread by default (one core's view of
-    its caches). Rows: ``size_bytes``, ``gb_per_s`` (median), ``iqr_gb_per_s``, ``seconds``."""
+    dispatch (about a microsecond) caps the small sizes. ``mode="dot"``: ``torch.dot`` of the working
+    set's two halves, repeated in a Python loop: the BLAS library's own vector code (two flops per
+    8 bytes read), faster than memory on every CPU code path, whereas PyTorch's non-vectorised kernels
+    (``ATEN_CPU_CAPABILITY=default``) make ``sum``'s adds the bottleneck; dispatch caps its small sizes.
+    The sizes are sampled in rounds (one sample of each per round), so that a burst of load from
+    another program hits all of them alike. One thread by default (one core's view of its caches).
+    Rows: ``size_bytes``, ``gb_per_s`` (median), ``iqr_gb_per_s``, ``seconds``."""
     sizes = _sizes(sizes)
-    if mode not in ("read", "copy"):
-        raise ValueError(f"mode={mode!r}: expected 'read' or 'copy'")
-    rows = []
+    if mode not in ("read", "copy", "dot"):
+        raise ValueError(f"mode={mode!r}: expected 'read', 'copy' or 'dot'")
+    runs = []
     with _threads(threads), torch.no_grad():
         for size in sizes:
+            reps = max(1, traffic_bytes // size)
             if mode == "read":
                 buf = torch.ones(max(1, size // 4))
-                reps = max(1, traffic_bytes // size)
-                view = buf.expand(reps, buf.numel())
-                timing = timeit(view.sum, repeats=repeats, number=1)
+                fn = buf.expand(reps, buf.numel()).sum
                 moved = reps * buf.numel() * 4
             else:
                 src = torch.ones(max(1, size // 8))
-                dst = torch.empty_like(src)
-                reps = max(1, traffic_bytes // size)
+                dst = torch.ones_like(src)
 
-                def copies(src=src, dst=dst, reps=reps):
+                def fn(src=src, dst=dst, reps=reps, op=torch.dot if mode == "dot" else torch.Tensor.copy_):
                     for _ in range(reps):
-                        dst.copy_(src)
+                        op(dst, src)
 
-                timing = timeit(copies, repeats=repeats, number=1)
                 moved = reps * src.numel() * 4 * 2
-            rates = [moved / t / 1e9 for t in timing.samples]
-            rows.append(dict(size_bytes=size, gb_per_s=moved / timing.median / 1e9, iqr_gb_per_s=_iqr(rates),
-                             seconds=timing.median))
+            run = _sampler(fn, (), {}, True, None)[0]
+            run(1)  # warm-up: first touch of the buffers
+            runs.append((size, run, moved))
+        samples = [[] for _ in runs]
+        for _ in range(repeats):  # one sample of every size per round
+            for (_, run, _), out in zip(runs, samples):
+                out.append(max(run(1), 1e-9))
+    rows = []
+    for (size, _, moved), times in zip(runs, samples):
+        seconds = statistics.median(times)
+        rows.append(dict(size_bytes=size, gb_per_s=moved / seconds / 1e9, iqr_gb_per_s=_iqr([moved / t / 1e9 for t in times]),
+                         seconds=seconds))
     return rows
 
 
