@@ -101,3 +101,50 @@ def test_labkit_seed_shifts_every_seed(monkeypatch):
     monkeypatch.setenv("LABKIT_SEED", "two")
     with pytest.raises(ValueError, match="LABKIT_SEED"):
         run_seed(0)
+
+
+def test_setup_keeps_the_thread_count_omp_num_threads_asks_for(monkeypatch, capsys):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    before = torch.get_num_threads()
+    labkit.setup(device="cpu")
+    assert torch.get_num_threads() == before and "as OMP_NUM_THREADS says" in capsys.readouterr().out
+
+
+def test_setup_uses_the_thread_count_it_is_given_and_says_so(capsys):
+    before = torch.get_num_threads()
+    try:
+        labkit.setup(device="cpu", threads=1)
+        assert torch.get_num_threads() == 1 and "1 CPU thread(s), as asked" in capsys.readouterr().out
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_setup_measures_the_thread_count_when_nothing_says_it(monkeypatch, capsys):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        labkit.setup(device="cpu")
+        line = capsys.readouterr().out
+        assert "measured on a small model's step (1: " in line and "2: " in line
+        assert torch.get_num_threads() in (1, 2)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_choose_threads_prefers_fewer_threads_unless_more_are_clearly_faster(monkeypatch):
+    times = {1: 1.0, 2: 0.95, 4: 0.5}
+    monkeypatch.setattr(runtime, "_small_model_step", lambda threads, steps: times[threads])
+    chosen, seconds = runtime.choose_threads([1, 2, 4])
+    assert chosen == 4 and seconds == times
+    times[4] = 0.93
+    assert runtime.choose_threads([1, 2, 4])[0] == 1
+    assert torch.get_num_threads() >= 1
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "2"])
+def test_bad_thread_counts_are_refused(bad):
+    with pytest.raises(ValueError, match="threads"):
+        labkit.setup(device="cpu", threads=bad)
+    with pytest.raises(ValueError, match="candidates"):
+        runtime.choose_threads([bad])
