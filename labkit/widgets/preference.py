@@ -21,11 +21,11 @@ STEPS_RANGE = (5, 80)
 
 
 def dpo_explorer(base, task, beta: float = 0.1, noise: float = 0.0, steps: int = 30, *, pairs: int = 512,
-                 lr: float = 1e-3, nll_weight: float = 1.0, seed: int = 0) -> dict:
+                 lr: float = 1e-3, nll_weight: float = 1.0, seed: int = 0, progress: bool = False) -> dict:
     """One short DPO run of a copy of ``base`` (left untouched) against ``base`` on ``pairs`` "concise"
     preference pairs with ``noise`` of their labels flipped; returns the training log, the greedy
     :func:`labkit.preference.policy_report` (true "concise" reward, accuracy, concise and malformed
-    fractions) and the KL to ``base`` per response."""
+    fractions) and the KL to ``base`` per response. ``progress``: a progress bar over the DPO steps."""
     if not BETA_RANGE[0] <= beta <= BETA_RANGE[1]:
         raise ValueError(f"beta={beta!r}: expected a value in {BETA_RANGE}")
     if not NOISE_RANGE[0] <= noise <= NOISE_RANGE[1]:
@@ -35,7 +35,7 @@ def dpo_explorer(base, task, beta: float = 0.1, noise: float = 0.0, steps: int =
     data = P.make_preference_pairs(task, "train", "concise", noise=noise, seed=seed, max_pairs=pairs,
                                    device=next(base.parameters()).device)
     policy = copy.deepcopy(base).requires_grad_(True)
-    log = P.train_dpo(policy, base, data, steps=steps, lr=lr, beta=beta, nll_weight=nll_weight, seed=seed, progress=False)
+    log = P.train_dpo(policy, base, data, steps=steps, lr=lr, beta=beta, nll_weight=nll_weight, seed=seed, progress=progress)
     report = P.policy_report(policy, task, preference="concise", max_examples=128)
     return {"beta": beta, "noise": noise, "steps": steps, "log": log, "report": report,
             "kl": P.kl_to_reference(policy, base, task, max_examples=64, samples=2)}
@@ -80,8 +80,9 @@ def explorer_summary(data: dict) -> str:
 
 
 def show_dpo_explorer(base, task, beta: float = 0.1, noise: float = 0.0, steps: int = 30) -> dict:
-    """Run :func:`dpo_explorer`, draw it and print its summary; returns the run."""
-    data = dpo_explorer(base, task, beta, noise, steps)
+    """Run :func:`dpo_explorer` with a progress bar (the run takes seconds), draw it and print its summary;
+    returns the run."""
+    data = dpo_explorer(base, task, beta, noise, steps, progress=True)
     plot_dpo_run(data)
     plt.show()
     print(explorer_summary(data))
