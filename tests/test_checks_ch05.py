@@ -233,3 +233,26 @@ def test_head_dim_mistake_is_named():
 
     with pytest.raises(CheckFailed, match="need not be d_model"):
         checks.lora_parameter_count(d_model_wide_attention)
+
+
+def test_the_lora_verdict_comes_from_the_judge_not_from_the_probe():
+    # Under labkit.grade the probe runs in the learner's process and could be replaced there: the judge,
+    # in the grading process, recomputes every property from the record and rejects one that was tampered with.
+    inputs = checks._layer_inputs()
+    honest = checks._probe_layers(L.LoRALinear, inputs)
+    checks._judge_layers(inputs, honest)
+    tampered = {"got": lambda t: t * 1.5, "B": lambda t: t + 1, "A_grad": lambda t: t * 2, "got0": lambda t: t + 0.1,
+                "trainable_base": lambda v: ["weight"]}
+    for key, change in tampered.items():
+        records = [dict(record) for record in honest]
+        records[-1][key] = change(records[-1][key])
+        with pytest.raises(CheckFailed, match="as it ran where the class lives"):
+            checks._judge_layers(inputs, records)
+    for forged in ([], honest[:-1], None, [{}] * len(inputs)):
+        with pytest.raises(CheckFailed):
+            checks._judge_layers(inputs, forged)
+    seen = checks._probe_dropout(L.LoRALinear)
+    checks._judge_dropout(seen)
+    for forged in ({"eval": seen["eval"], "train": seen["eval"]}, {"eval": seen["train"], "train": seen["train"]}, {}):
+        with pytest.raises(CheckFailed, match="dropout"):
+            checks._judge_dropout(forged)

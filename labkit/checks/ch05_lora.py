@@ -64,26 +64,57 @@ def _reference(base, x, A, B, scaling) -> torch.Tensor:
 
 
 def LoRALinear(cls) -> None:  # noqa: N802  (named after the class the learner writes)
-    """Grade the learner's LoRA layer class (see :func:`_grade_lora_class`). Under ``labkit.grade`` the layers it
-    makes are probed in place (parameters edited, backward run), so this grader runs where the class lives, in the
-    learner's process: the one grader whose verdict comes from there (``labkit.grade`` says so)."""
+    """Grade the learner's LoRA layer class. Its layers are exercised where the class lives (under
+    ``labkit.grade`` that is the learner's process: parameters are edited in place, backward is run) by
+    :func:`_probe_layers` and :func:`_probe_dropout`, which stop at the first mistake they recognise and name
+    it; the verdict is :func:`_judge_layers`'s and :func:`_judge_dropout`'s, here, from what the probes saw:
+    they recompute every property a pass needs against the grader's own reference."""
     from labkit.checks._remote import Remote, apply
 
-    if isinstance(cls, Remote):
-        return apply(_grade_lora_class, cls)
-    return _grade_lora_class(cls)
+    def run(probe, *args):
+        return apply(probe, cls, *args) if isinstance(cls, Remote) else probe(cls, *args)
+
+    inputs = _layer_inputs()
+    _judge_layers(inputs, run(_probe_layers, inputs))
+    _judge_dropout(run(_probe_dropout))
+    passed("LoRALinear", "zero-initialised B, frozen base, alpha / r scaling (alpha / sqrt(r) with rsLoRA), "
+                         "dropout on the adapter only, in fp32 and bf16, over labkit and torch layers")
 
 
-def _grade_lora_class(cls) -> None:
-    """Grade ``cls(base, r, alpha, dropout=0.0, use_rslora=False)``: an ``nn.Module`` with
-    parameters ``lora_A`` ``[r, d_in]`` (Kaiming-uniform, ``|A| <= 1/sqrt(d_in)``) and ``lora_B``
-    ``[d_out, r]`` (zeros) in the base weight's dtype, the base frozen, and
-    ``forward(x) = base(x) + scaling * (dropout(x) @ A^T) @ B^T`` with ``scaling = alpha / r``
-    (``alpha / sqrt(r)`` if ``use_rslora``); dropout on the adapter's input only, in training mode."""
+def _case_base(case: int) -> nn.Module:
+    """Case ``case``'s base layer, the same one wherever it is built (seeded)."""
+    torch.manual_seed(0)
+    return _layer_cases()[case][1]()
+
+
+def _layer_inputs() -> list[dict]:
+    """Per case: its index, the input ``x`` and the non-zero ``lora_A``, ``lora_B`` the grader writes in."""
     gen = torch.Generator().manual_seed(5)
-    for tried, make_base, r, alpha, rslora, dtype in _layer_cases():
-        torch.manual_seed(0)
-        base = make_base()
+    inputs = []
+    for case, (_, _, r, _, _, dtype) in enumerate(_layer_cases()):
+        d_out, d_in = _case_base(case).weight.shape
+        x = torch.randn(3, 5, d_in, generator=gen).to(dtype)
+        A = ((torch.rand(r, d_in, generator=gen) * 2 - 1) / math.sqrt(d_in)).to(dtype)
+        B = (torch.randn(d_out, r, generator=gen) * 0.5).to(dtype)
+        inputs.append({"case": case, "x": x, "A": A, "B": B})
+    return inputs
+
+
+def _scaling(r: int, alpha: float, rslora: bool) -> float:
+    return alpha / math.sqrt(r) if rslora else alpha / r
+
+
+def _probe_layers(cls, inputs: list[dict]) -> list[dict]:
+    """Build ``cls(base, r, alpha, dropout=0.0, use_rslora=False)`` for every case of ``inputs`` and exercise
+    it: an ``nn.Module`` with parameters ``lora_A`` ``[r, d_in]`` (Kaiming-uniform, ``|A| <= 1/sqrt(d_in)``) and
+    ``lora_B`` ``[d_out, r]`` (zeros) in the base weight's dtype, the base frozen, and
+    ``forward(x) = base(x) + scaling * (dropout(x) @ A^T) @ B^T`` with ``scaling = alpha / r`` (``alpha /
+    sqrt(r)`` if ``use_rslora``). Fails with a named mistake where it recognises one; returns what each
+    layer did (its fresh adapters, its outputs, its gradients) for :func:`_judge_layers`."""
+    seen = []
+    for item in inputs:
+        tried, _, r, alpha, rslora, dtype = _layer_cases()[item["case"]]
+        base = _case_base(item["case"])
         d_out, d_in = base.weight.shape
         w0 = base.weight.detach().clone()
         call_tried = f"{cls.__name__ if hasattr(cls, '__name__') else 'cls'}({tried})"
@@ -102,11 +133,13 @@ def _grade_lora_class(cls) -> None:
             if p.dtype != dtype:
                 fail(call_tried, f"layer.{name} of dtype {p.dtype}", f"dtype {dtype}, the base weight's",
                      "create the adapters with the base weight's dtype and device")
-        trainable_base = [n for n, p in base.named_parameters() if p.requires_grad]
-        if trainable_base:
-            fail(call_tried, f"the base's {trainable_base} still require grad", "a frozen base: only lora_A and lora_B train",
+        record = {"A": A.detach().clone(), "B": B.detach().clone(),
+                  "trainable_base": [n for n, p in base.named_parameters() if p.requires_grad],
+                  "trainable_adapters": bool(A.requires_grad and B.requires_grad)}
+        if record["trainable_base"]:
+            fail(call_tried, f"the base's {record['trainable_base']} still require grad", "a frozen base: only lora_A and lora_B train",
                  "base.requires_grad_(False): the point of LoRA is that W0 gets no gradient and no optimizer state")
-        if not (A.requires_grad and B.requires_grad):
+        if not record["trainable_adapters"]:
             fail(call_tried, "lora_A or lora_B does not require grad", "both adapters trainable", "leave requires_grad=True on the adapters")
         if B.detach().abs().max() != 0:
             fail(call_tried, f"lora_B with values up to {B.detach().abs().max().item():.3g}", "lora_B all zeros",
@@ -120,11 +153,10 @@ def _grade_lora_class(cls) -> None:
         if a_max > bound * 1.01:
             fail(call_tried, f"lora_A with values up to {a_max:.3g}", f"Kaiming-uniform values within 1/sqrt(d_in) = {bound:.3g}",
                  "nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5)), as torch.nn.Linear and PEFT initialise it")
-        x = torch.randn(3, 5, d_in, generator=gen).to(dtype)
-        x_copy = x.clone()
+        x = item["x"].clone()
         layer.eval()
         got0 = call(layer, f"{call_tried}; layer(x) right after construction, x of shape {tuple(x.shape)}", x)
-        if not torch.equal(x, x_copy):
+        if not torch.equal(x, item["x"]):
             fail(call_tried + "; layer(x)", "x was modified", "the input unchanged", "do not modify x in place")
         if not isinstance(got0, torch.Tensor) or got0.shape != (3, 5, d_out) or got0.dtype != dtype:
             fail(call_tried + "; layer(x)", f"{type(got0).__name__} {tuple(getattr(got0, 'shape', ()))} {getattr(got0, 'dtype', '')}",
@@ -134,9 +166,9 @@ def _grade_lora_class(cls) -> None:
             fail(call_tried + "; layer(x) before training", _max_error(got0, _base_output(base, x)) + " from base(x)",
                  "exactly base(x): with B = 0 the update is zero", "forward(x) = base(x) + scaling * (x @ A.T) @ B.T")
         with torch.no_grad():  # now a non-zero adapter
-            A.copy_(((torch.rand(A.shape, generator=gen) * 2 - 1) * bound).to(dtype))
-            B.copy_((torch.randn(B.shape, generator=gen) * 0.5).to(dtype))
-        scaling = alpha / math.sqrt(r) if rslora else alpha / r
+            A.copy_(item["A"])
+            B.copy_(item["B"])
+        scaling = _scaling(r, alpha, rslora)
         got = call(layer, f"{call_tried}; with random lora_A, lora_B: layer(x)", x)
         expected = _reference(base, x, A, B, scaling)
         if not _close(got, expected, tol):
@@ -169,24 +201,80 @@ def _grade_lora_class(cls) -> None:
                  "compute the update from self.lora_A and self.lora_B (not detached copies) inside forward")
         if not torch.equal(base.weight.detach(), w0):
             fail(call_tried, "the base weight changed", "the base weight untouched", "forward must not write into base.weight")
-    _grade_dropout(cls)
-    passed("LoRALinear", "zero-initialised B, frozen base, alpha / r scaling (alpha / sqrt(r) with rsLoRA), "
-                         "dropout on the adapter only, in fp32 and bf16, over labkit and torch layers")
+        record.update(got0=got0.detach().clone(), got=got.detach().clone(), again=again.detach().clone(),
+                      base_grad=base.weight.grad is not None, A_grad=A.grad.detach().clone(), B_grad=B.grad.detach().clone(),
+                      base_unchanged=torch.equal(base.weight.detach(), w0))
+        seen.append(record)
+    return seen
 
 
-def _grade_dropout(cls) -> None:
-    """A = B = I (d = r = 16), scaling 1, dropout 0.5: in training the update must be x with each
-    entry either dropped or scaled by 1 / (1 - p); the base path never dropped; none in eval mode."""
+def _tensor_like(value, shape: tuple, dtype: torch.dtype) -> bool:
+    return isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(shape) and value.dtype == dtype
+
+
+def _judge_layers(inputs: list[dict], seen) -> None:
+    """The verdict on :func:`_probe_layers`'s record: every property of a LoRA layer, recomputed here."""
+    if not isinstance(seen, list) or len(seen) != len(inputs) or not all(isinstance(r, dict) for r in seen):
+        fail("LoRALinear: the layers built and run where the class lives", "an incomplete record of what they did",
+             f"one record per case ({len(inputs)})", "run the grader cell as it is: it records what your layers do")
+    for item, record in zip(inputs, seen):
+        tried, _, r, alpha, rslora, dtype = _layer_cases()[item["case"]]
+        base = _case_base(item["case"])
+        d_out, d_in = base.weight.shape
+        x, tol, scaling = item["x"], (1e-5 if dtype == torch.float32 else 2e-2), _scaling(r, alpha, rslora)
+
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                fail(f"LoRALinear({tried}), as it ran where the class lives", f"not {what}", what,
+                     "the grader cell in your notebook says what is wrong; fix that and run it again")
+
+        A0, B0 = record.get("A"), record.get("B")
+        need(_tensor_like(A0, (r, d_in), dtype) and _tensor_like(B0, (d_out, r), dtype),
+             f"lora_A [r, d_in] and lora_B [d_out, r] in {dtype}")
+        need(record.get("trainable_base") == [] and record.get("trainable_adapters") is True, "a frozen base, trainable adapters")
+        need(bool(B0.abs().max() == 0), "lora_B initialised to zeros")
+        a = A0.float()
+        need(bool(a.abs().max() > 0 and a.std() > 0 and a.abs().max() <= 1.01 / math.sqrt(d_in)),
+             "a random, Kaiming-uniform lora_A")
+        expected0 = _base_output(base, x)
+        need(_tensor_like(record.get("got0"), expected0.shape, dtype) and _close(record["got0"], expected0, tol),
+             "base(x) right after construction")
+        expected = _reference(base, x, item["A"], item["B"], scaling)
+        need(_tensor_like(record.get("got"), expected.shape, dtype) and _close(record["got"], expected, tol),
+             f"base(x) + {scaling:g} * B A x with the grader's lora_A and lora_B")
+        need(isinstance(record.get("again"), torch.Tensor) and torch.equal(record["again"], record["got"]),
+             "the same output on a second call in eval mode")
+        need(record.get("base_grad") is False and record.get("base_unchanged") is True, "a base weight untouched and without a gradient")
+        # d sum(out) / dA = scaling * outer(B^T 1, sum of x's rows); d sum(out) / dB = scaling * outer(1, A sum of x's rows)
+        rows = x.double().reshape(-1, d_in).sum(0)
+        A64, B64 = item["A"].double(), item["B"].double()
+        need(_tensor_like(record.get("A_grad"), (r, d_in), dtype) and _close(record["A_grad"], scaling * torch.outer(B64.sum(0), rows), tol)
+             and _tensor_like(record.get("B_grad"), (d_out, r), dtype)
+             and _close(record["B_grad"], scaling * torch.outer(torch.ones(d_out, dtype=torch.float64), A64 @ rows), tol),
+             "the gradients of layer(x).sum() for lora_A and lora_B")
+
+
+def _dropout_case() -> tuple[str, nn.Module, torch.Tensor]:
+    """A = B = I (d = r = 16), scaling 1, dropout 0.5: the base, the input, the call tried."""
     torch.manual_seed(1)
     base = Linear(16, 16)
-    tried = f"{getattr(cls, '__name__', 'cls')}(labkit.nn.Linear(16, 16), r=16, alpha=16, dropout=0.5) with lora_A = lora_B = I"
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(2))
+    return "(labkit.nn.Linear(16, 16), r=16, alpha=16, dropout=0.5) with lora_A = lora_B = I", base, x
+
+
+def _probe_dropout(cls) -> dict:
+    """With A = B = I, scaling 1 and dropout 0.5, the update in eval mode must be x, and in training each of its
+    entries either dropped or x / (1 - p); the base path never dropped. Returns both outputs for
+    :func:`_judge_dropout`."""
+    tried, base, x = _dropout_case()
+    tried = getattr(cls, "__name__", "cls") + tried
     layer = call(cls, tried, base, 16, 16, dropout=0.5)
     with torch.no_grad():
         layer.lora_A.copy_(torch.eye(16))
         layer.lora_B.copy_(torch.eye(16))
-    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(2))
     layer.eval()
-    update = call(layer, tried + "; eval mode", x) - _base_output(base, x)
+    eval_out = call(layer, tried + "; eval mode", x)
+    update = eval_out - _base_output(base, x)
     if not _close(update, x, 1e-5):
         fail(tried + "; eval mode: layer(x) - base(x)", _max_error(update, x) + " from x", "x (no dropout in eval mode)",
              "use nn.Dropout (it does nothing in eval mode), not a hand-made mask applied always")
@@ -205,6 +293,23 @@ def _grade_dropout(cls) -> None:
              "dropped entries 0, kept ones x / (1 - p)",
              "dropout belongs on the adapter's input only: base(x) + scaling * B A dropout(x), never on base(x); "
              "nn.Dropout(p) also rescales the kept values by 1 / (1 - p)")
+    return {"eval": eval_out.detach().clone(), "train": out.clone()}
+
+
+def _judge_dropout(seen) -> None:
+    """The verdict on :func:`_probe_dropout`'s record, recomputed here."""
+    tried, base, x = _dropout_case()
+    expected = _base_output(base, x)
+    ok = isinstance(seen, dict) and all(_tensor_like(seen.get(k), (64, 16), torch.float32) for k in ("eval", "train"))
+    if ok:
+        update = seen["train"] - expected
+        kept = update.abs() > 1e-6
+        ok = (_close(seen["eval"] - expected, x, 1e-5) and 0.2 < kept.float().mean().item() < 0.8
+              and bool(torch.allclose(update[kept], 2 * x[kept], atol=1e-5)))
+    if not ok:
+        fail(f"LoRALinear{tried}, as it ran where the class lives", "not dropout on the adapter's input only",
+             "layer(x) - base(x) = x in eval mode, and in training each entry 0 or 2x",
+             "the grader cell in your notebook says what is wrong; fix that and run it again")
 
 
 # ----------------------------------------------------------------------------- merging
