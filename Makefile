@@ -75,7 +75,7 @@ test: $(VENV)/.installed-test $(LAB_OVERRIDES)
 test-student: $(VENV)/.installed-test
 	LABKIT_DEVICE=cpu LABKIT_STUDENT_TEST=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -p no:cacheprovider -n $(JOBS) tests/student
 
-## Classroom grading against forged submissions: a class of honest and attacking hand-ins, each must grade as expected.
+## Classroom grading: a class of honest and forged hand-ins, each must grade as expected; every chapter with the teacher's answers must pass.
 test-grade: $(VENV)/.installed-test
 	LABKIT_DEVICE=cpu LABKIT_GRADING_TEST=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -p no:cacheprovider tests/grading
 

@@ -282,25 +282,37 @@ def _address_space(numel: int, dtype: torch.dtype, device: str):
         return torch.from_file(backing.name, shared=True, size=numel, dtype=dtype)  # the mapping outlives the name
 
 
+def _overflow_launch(kernel, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``kernel`` launched on ``x``'s 3 rows placed 2**30 elements apart in 8 GiB of address space (NaN where a
+    wrapped int32 offset lands); returns ``y``, or None where the space cannot be had (a GPU without 8 GiB free).
+    Under ``labkit.grade`` it runs where the learner's kernel is, so the buffer never crosses processes: only
+    ``x``, ``weight`` and ``y`` do."""
+    stride, width = 2**30, x.shape[1]
+    big = _address_space(2 * 2**31 + width, x.dtype, x.device.type)
+    if big is None:
+        return None
+    big[:width] = POISON
+    x_rows = big[2**31:].as_strided(tuple(x.shape), (stride, 1))
+    x_rows.copy_(x)
+    y = torch.full(tuple(x.shape), SENTINEL, dtype=x.dtype, device=x.device)
+    launch_rmsnorm_kernel(kernel, x_rows, weight, y, eps)
+    return y
+
+
 def _overflow_case(kernel, device: str, gen: torch.Generator) -> None:
     """Rows 2**30 elements apart: row 2 starts at element 2**31, past int32. A kernel that computes
     ``row * x_row_stride`` in int32 wraps to 2**31 elements *before* X; the buffer reaches there too (NaN),
     so the wrong read returns NaN instead of crashing. 8 GiB of address space, a few pages touched (skipped
     only on a GPU without 8 GiB free)."""
-    stride, width = 2**30, 64
-    big = _address_space(2 * 2**31 + width, torch.bfloat16, device)
-    if big is None:
-        return
+    width = 64
     x = (torch.randn(3, width, generator=gen) + 0.5).to(torch.bfloat16).to(device)
     weight = (torch.rand(width, generator=gen) + 0.5).to(torch.bfloat16).to(device)
-    big[:width] = POISON
-    x_rows = big[2**31:].as_strided((3, width), (stride, 1))
-    x_rows.copy_(x)
-    y = torch.full((3, width), SENTINEL, dtype=torch.bfloat16, device=device)
     tried = f"rmsnorm_kernel on x [3, {width}] bf16 with row stride 2**30 (row 2 starts 2**31 elements after X)"
-    call_kernel(launch_rmsnorm_kernel, tried, kernel, x_rows, weight, y, 1e-5, hint="run the launch yourself")
-    if not torch.isfinite(y.float()).all() or not torch.allclose(y.float(), _rmsnorm_expected(x, weight, 1e-5).float(),
-                                                                rtol=8e-3, atol=1e-5):
+    y = call_kernel(_overflow_launch, tried, kernel, x, weight, 1e-5, hint="run the launch yourself")
+    if y is None:
+        return
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape or not torch.isfinite(y.float()).all() \
+            or not torch.allclose(y.float(), _rmsnorm_expected(x, weight, 1e-5).float(), rtol=8e-3, atol=1e-5):
         fail(tried, "a wrong (NaN) row 2", "row 2 normalized like the others",
              "row * x_row_stride = 2**31 overflows int32 and wraps to a negative offset: make the row index int64 "
              "first, tl.program_id(0).to(tl.int64)")

@@ -1,5 +1,5 @@
 """The attack suite of ``labkit.grade`` (``make test-grade``): a class of submissions, honest and forged, graded as
-a teacher grades them, each in its own kernel (about 18 notebook runs). It has its own target and its own step in
+a teacher grades them, each in its own kernel (about 18 notebook runs), and every chapter with the teacher's answers. It has its own target and its own step in
 .ci/run to keep ``make test`` within its time budget, and runs only when asked for (``LABKIT_GRADING_TEST=1``)."""
 from __future__ import annotations
 
