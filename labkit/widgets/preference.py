@@ -79,10 +79,9 @@ def explorer_summary(data: dict) -> str:
             f"concise {about(r['concise']):.0%}, malformed {about(r['malformed']):.0%}; e.g. {' '.join(r['texts'][:6])}")
 
 
-def show_dpo_explorer(base, task, beta: float = 0.1, noise: float = 0.0, steps: int = 30) -> dict:
-    """Run :func:`dpo_explorer` with a progress bar (the run takes seconds), draw it and print its summary;
-    returns the run."""
-    data = dpo_explorer(base, task, beta, noise, steps, progress=True)
+def show_dpo_explorer(base, task, beta: float = 0.1, noise: float = 0.0, steps: int = 30, progress: bool = False) -> dict:
+    """Run :func:`dpo_explorer` (with a progress bar if ``progress``), draw it and print its summary; returns the run."""
+    data = dpo_explorer(base, task, beta, noise, steps, progress=progress)
     plot_dpo_run(data)
     plt.show()
     print(explorer_summary(data))
@@ -90,11 +89,12 @@ def show_dpo_explorer(base, task, beta: float = 0.1, noise: float = 0.0, steps: 
 
 
 def dpo_explorer_widget(base, task):
-    """Sliders for beta, label noise and steps; every change runs a short DPO (a few seconds on a CPU)."""
+    """Sliders for beta, label noise and steps; its button runs a short DPO (a few seconds on a CPU, with a progress bar)."""
     import ipywidgets as widgets
 
     return widgets.interact_manual(
-        lambda beta, noise, steps: show_dpo_explorer(base, task, beta, noise, steps) and None,
+        # a run takes seconds: the widget shows its progress
+        lambda beta, noise, steps: show_dpo_explorer(base, task, beta, noise, steps, progress=True) and None,
         beta=widgets.FloatLogSlider(value=0.1, base=10, min=-2, max=0.3, step=0.1, description="beta"),
         noise=widgets.FloatSlider(value=0.0, min=0.0, max=0.5, step=0.05, description="label noise"),
         steps=widgets.IntSlider(value=30, min=STEPS_RANGE[0], max=STEPS_RANGE[1], step=5, description="steps"),
