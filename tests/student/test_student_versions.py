@@ -29,8 +29,10 @@ def run_in_a_kernel(notebook: dict, workdir: Path) -> dict:
     import nbformat
     from nbclient import NotebookClient
 
+    from labkit.execute import sliced_waits_client  # a widget cell's reply can otherwise wait for the time limit (nbclient#312)
+
     executed = nbformat.reads(json.dumps(notebook), as_version=4)
-    NotebookClient(executed, timeout=RUN_TIMEOUT_S, kernel_name="python3", allow_errors=True,
+    sliced_waits_client(NotebookClient)(executed, timeout=RUN_TIMEOUT_S, kernel_name="python3", allow_errors=True,
                    resources={"metadata": {"path": str(workdir)}}).execute()
     return executed
 
