@@ -29,8 +29,10 @@ def test_a_finished_progress_bar_is_what_the_saved_notebook_shows():
     import nbformat
     from nbclient import NotebookClient
 
+    from labkit.execute import sliced_waits_client  # a widget's reply can otherwise wait for the time limit (nbclient#312)
+
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
         "from labkit.show import progress_bar\nfor _ in progress_bar(range(3), desc='demo'):\n    pass")])
-    NotebookClient(nb, timeout=120, kernel_name="python3").execute()
+    sliced_waits_client(NotebookClient)(nb, timeout=120, kernel_name="python3").execute()
     texts = [o["data"]["text/plain"] for o in nb.cells[0].outputs if "text/plain" in o.get("data", {})]
     assert len(texts) == 1 and "3/3" in texts[0], texts
