@@ -32,10 +32,12 @@ FIRST_CHAPTER := $(notdir $(firstword $(sort $(wildcard notebooks/[0-9][0-9]_*.i
 # The real-browser test drives Debian's chromium (apt-get install chromium), never a downloaded browser.
 CHROMIUM      ?= /usr/bin/chromium
 BROWSER_JOBS  ?= 2
-# `make grade SUBMISSIONS=submissions/ [CHAPTER=00] [GRADES=grades.csv] [GRADE_TIMEOUT=600]`
+# `make grade SUBMISSIONS=submissions/ [CHAPTER=00] [GRADES=grades.csv] [GRADE_TIMEOUT=600] [GRADE_JOBS=2]`
+# (notebooks graded at once; GRADE_JOBS=1 where a row says another submission may have touched the teacher's files)
 SUBMISSIONS   ?= submissions
 GRADES        ?= grades.csv
 GRADE_TIMEOUT ?= 600
+GRADE_JOBS    ?= 2
 
 .PHONY: lab test test-student test-grade test-portable test-browser unit notebooks spread student grade clean-venv
 
@@ -126,7 +128,7 @@ student: $(VENV)/.installed-lab
 ## Grade a class: every notebook under $(SUBMISSIONS) (one folder per student) into $(GRADES) + reports/.
 grade: $(VENV)/.installed-lab
 	LABKIT_DEVICE=cpu $(BIN)/python -m labkit.grade $(SUBMISSIONS) --out $(GRADES) --timeout $(GRADE_TIMEOUT) \
-		$(if $(CHAPTER),--chapter $(CHAPTER),)
+		--jobs $(GRADE_JOBS) $(if $(CHAPTER),--chapter $(CHAPTER),)
 
 clean-venv:
 	rm -rf $(VENV)
