@@ -54,11 +54,10 @@ TAG_CELLS_JS = """() => window.jupyterapp.shell.currentWidget.content.widgets.fo
   (cell, index) => cell.node.setAttribute('data-labkit-cell', String(index)))"""
 
 # What a widget shows (as opposed to its controls): Output widgets (interact's plots and prints) and HTML.
-SHOWN_JS = """(node) => Array.from(node.querySelectorAll('.widget-output, .widget-html, .widget-htmlmath'))
-  .map(e => e.innerHTML).join('\\n')"""
+SHOWN = "(node) => Array.from(node.querySelectorAll('.widget-output, .widget-html, .widget-htmlmath'))"
+SHOWN_JS = SHOWN + ".map(e => e.innerHTML).join('\\n')"
 
-SHOWN_TEXT_JS = """(node) => Array.from(node.querySelectorAll('.widget-output, .widget-html, .widget-htmlmath'))
-  .map(e => e.innerText).join('\\n')"""
+SHOWN_TEXT_JS = SHOWN + ".map(e => e.innerText).join('\\n')"  # its text, where a progress bar shows
 KERNEL_JS = """() => { const s = window.jupyterapp.shell.currentWidget.sessionContext.session;
   return s && s.kernel ? s.kernel.status : null; }"""
 
