@@ -47,13 +47,14 @@ def test_a_missing_log_reports_no_claims(tmp_path, capsys):
 
 
 def test_a_notebooks_report_gives_each_claims_worst_condition(capsys):
-    values = {"speed-up": {"native-1": 10.0, "loaded": 3.3, "seed-1": 8.0}, "flag": {"native-1": True, "seed-1": True}}
-    bounds = {"speed-up": (3, math.inf), "flag": None}
-    worst = claim_spread.report("09_x.ipynb", values, bounds)
+    fast = (3, math.inf)
+    records = {"speed-up": {"native-1": (10.0, fast), "loaded": (3.3, fast), "seed-1": (8.0, fast)},
+               "flag": {"native-1": (True, None), "seed-1": (True, None)}}
+    worst = claim_spread.report("09_x.ipynb", records)
     assert [(variant, claim) for _, variant, claim, _, _ in worst] == [("loaded", "speed-up"), ("native-1", "flag")]
     assert math.isclose(worst[0][0], 0.3 / 3.3)
     out = capsys.readouterr().out
-    assert "worst headroom 0.09 (loaded)" in out and "ok  flag" in out
+    assert "worst headroom 0.09 (loaded: 3.3 in [3, inf])" in out and "ok  flag" in out
     claim_spread.print_worst(worst, top=5)
     lines = capsys.readouterr().out.splitlines()
     assert "2 claims" in lines[1] and lines[2].split()[1] == "loaded" and "3.3 in [3, inf]" in lines[2]
@@ -62,5 +63,14 @@ def test_a_notebooks_report_gives_each_claims_worst_condition(capsys):
 def test_the_loaded_condition_runs_the_scalar_path_beside_two_busy_processes():
     assert claim_spread.BUSY == {"loaded": 2}
     assert claim_spread.VARIANTS["loaded"]["ATEN_CPU_CAPABILITY"] == "default"
-    assert sorted(claim_spread.SEEDS) == [f"seed-{k}" for k in range(1, 5)]  # with the stored run's seed 0: five
+    assert sorted(claim_spread.SEEDS) == [f"seed-{k}" for k in range(1, 8)]  # with the stored run's seed 0: eight
     assert all(env["LABKIT_SEED"] == name.split("-")[1] for name, env in claim_spread.SEEDS.items())
+
+
+def test_a_claim_near_a_measured_number_is_judged_by_each_runs_own_bounds(capsys):
+    # "the swapped adapter answers as the trained model did": each run has its own accuracy, its own bounds
+    records = {"same accuracy": {"avx2-1": (0.9899, (0.9898, 0.9900)), "seed-4": (0.9717, (0.9716, 0.9718))}}
+    worst = claim_spread.report("05_x.ipynb", records)
+    assert worst[0][0] > 0.9  # both runs sit at the centre of their own bounds
+    out = capsys.readouterr().out
+    assert "ok  same accuracy" in out and "per run" in out
