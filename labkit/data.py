@@ -168,7 +168,9 @@ def get_batch(dataset: np.ndarray, batch_size: int, context_length: int, device)
         raise ValueError(f"dataset: needs at least context_length + 1 = {context_length + 1} tokens, has {len(data)}")
     starts = torch.randint(0, len(data) - context_length, (batch_size,))
     offsets = torch.arange(context_length + 1)
-    windows = torch.from_numpy(data.astype(np.int64, copy=False))[starts[:, None] + offsets]
+    # gather the windows in numpy first: on a memmapped token file only these tokens are read and converted,
+    # not the whole file on every call
+    windows = torch.from_numpy(data[(starts[:, None] + offsets).numpy()].astype(np.int64))
     if dev.type == "cuda":
         windows = windows.pin_memory().to(dev, non_blocking=True)
     else:
