@@ -461,3 +461,51 @@ class Tokenizer:
             bad = next(i for i in ids if not isinstance(i, Hashable) or i not in self.vocab)
             raise ValueError(f"ids: {bad!r} is not a token id of this vocabulary") from None
         return data.decode("utf-8", errors="replace")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT-2's own tokenizer, from the ranks labkit ships
+# ---------------------------------------------------------------------------------------------
+
+GPT2_RANKS = Path(__file__).parent / "assets" / "gpt2" / "gpt2.tiktoken"  # openai-whisper's copy, MIT (README beside it)
+GPT2_EOT = "<|endoftext|>"
+
+
+def read_ranks(path: str | os.PathLike = GPT2_RANKS) -> dict[bytes, int]:
+    """A tiktoken ranks file (one ``base64-token rank`` per line, as ``tiktoken.load.load_tiktoken_bpe``
+    reads it): token bytes -> rank, which is also the token's id."""
+    import base64
+
+    ranks = {}
+    for n, line in enumerate(Path(path).read_text(encoding="ascii").splitlines(), 1):
+        if line:
+            token, _, rank = line.partition(" ")
+            if not rank.isdigit():
+                raise ValueError(f"path={str(path)!r}: line {n} is not 'base64-token rank'")
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """The merges behind a ranks table, recovered as tiktoken's educational module does: a token's merge
+    is the split into two that BPE with only the lower-ranked tokens leaves it in."""
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(token) == 1:
+            continue
+        parts = [token[i : i + 1] for i in range(len(token))]
+        while len(parts) > 2:
+            best = min(range(len(parts) - 1), key=lambda i: ranks.get(parts[i] + parts[i + 1], rank))
+            if ranks.get(parts[best] + parts[best + 1], rank) >= rank:
+                raise ValueError(f"ranks: {token!r} (rank {rank}) cannot be built from lower-ranked tokens")
+            parts[best : best + 2] = [parts[best] + parts[best + 1]]
+        merges.append((parts[0], parts[1]))
+    return merges
+
+
+def gpt2_tokenizer() -> Tokenizer:
+    """GPT-2's tokenizer (50,257 tokens: 50,256 merged from its ranks, ``<|endoftext|>`` = 50256),
+    offline, encoding exactly as ``tiktoken``'s ``gpt2`` encoding does (tests/test_tokenizer.py)."""
+    ranks = read_ranks()
+    vocab = {i: t for t, i in ranks.items()} | {len(ranks): GPT2_EOT.encode()}
+    return Tokenizer(vocab, merges_from_ranks(ranks), [GPT2_EOT])

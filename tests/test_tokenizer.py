@@ -1,6 +1,6 @@
 """labkit.tokenizer against references: a naive BPE trainer written here (every pair recounted after
 every merge), Hugging Face ``tokenizers``' trainer, and tiktoken's encoder, also with GPT-2's real ranks
-(tests/fixtures/gpt2, from openai-whisper)."""
+(labkit/assets/gpt2, from openai-whisper)."""
 import itertools
 import json
 import random
@@ -14,7 +14,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers, trainers
 
 from labkit import tokenizer as tk
-from labkit.tokenizer import GPT2_PATTERN, Tokenizer, bytes_to_unicode, train_bpe
+from labkit.tokenizer import GPT2_PATTERN, GPT2_RANKS, Tokenizer, bytes_to_unicode, gpt2_tokenizer, read_ranks, train_bpe
 
 EOT = "<|endoftext|>"
 SAMPLES = [
@@ -352,33 +352,13 @@ def test_encode_equals_tiktoken_with_our_ranks(trained):
         assert trained.encode(text) == enc.encode(text, allowed_special="all")
 
 
-GPT2_RANKS = Path(__file__).parent / "fixtures" / "gpt2" / "gpt2.tiktoken"  # openai-whisper's copy (MIT; see its README)
-
-
-def merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
-    """GPT-2's merges, recovered as tiktoken's educational module does: a token's merge is the split
-    that BPE with only the lower-ranked tokens leaves it in."""
-    merges = []
-    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
-        if len(token) == 1:
-            continue
-        parts = [token[i : i + 1] for i in range(len(token))]
-        while len(parts) > 2:
-            best = min(range(len(parts) - 1), key=lambda i: ranks.get(parts[i] + parts[i + 1], rank))
-            assert ranks.get(parts[best] + parts[best + 1], rank) < rank
-            parts[best : best + 2] = [parts[best] + parts[best + 1]]
-        merges.append((parts[0], parts[1]))
-    return merges
-
-
 def test_encode_equals_tiktoken_gpt2(tmp_path):
     from tiktoken.load import load_tiktoken_bpe
 
     ranks = load_tiktoken_bpe(str(GPT2_RANKS))
-    assert len(ranks) == 50256
+    assert len(ranks) == 50256 and read_ranks() == ranks  # labkit reads the ranks file as tiktoken does
     enc = tiktoken.Encoding(name="gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={EOT: 50256})
-    vocab = {i: t for t, i in ranks.items()} | {50256: EOT.encode()}
-    tok = Tokenizer(vocab, merges_from_ranks(ranks), [EOT])
+    tok = gpt2_tokenizer()
     assert tok.encode("Hello, world!") == [15496, 11, 995, 0] and tok.encode(" ") == [220]
     tok.save(tmp_path / "vocab.json", tmp_path / "merges.txt")
     head = (tmp_path / "merges.txt").read_text(encoding="utf-8").splitlines()[:6]
