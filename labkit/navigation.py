@@ -12,6 +12,10 @@ estimated time follows from the amount of prose, code, widgets and exercises (:f
 and a chapter's notebook metadata may override both the time and the prerequisites::
 
     "metadata": {"labkit": {"minutes": 90, "prerequisites": ["00", "02"]}}
+
+Chapters are read in the order of their numbers, except where a chapter's metadata says to read it right
+after another (``"after": "00"``: chapter 11, tokenization and data, comes straight after the foundations);
+the previous/next links follow that reading order (:func:`reading_order`).
 """
 from __future__ import annotations
 
@@ -53,6 +57,7 @@ class Chapter:
     exercises: int
     kernels: bool
     distributed: bool
+    after: str | None = None  # read right after this chapter (metadata "after"), not in number order
 
     @property
     def label(self) -> str:
@@ -98,7 +103,20 @@ def read_chapter(path: Path) -> Chapter:
                    minutes=int(meta.get("minutes", estimated_minutes(notebook))),
                    prerequisites=prerequisites, widget_cells=tuple(widget_cells(notebook)),
                    exercises=len(graded), kernels=bool(USES_KERNELS.search(code)),
-                   distributed=bool(USES_DISTRIBUTED.search(code)))
+                   distributed=bool(USES_DISTRIBUTED.search(code)), after=meta.get("after"))
+
+
+def reading_order(chapters: list[Chapter]) -> list[Chapter]:
+    """``chapters`` in the order a learner reads them: by number, each chapter with an ``after`` moved to
+    follow that chapter (several after the same one keep their number order)."""
+    ordered = sorted((c for c in chapters if c.after is None), key=lambda c: c.number)
+    numbers = {c.number for c in chapters}
+    for chapter in sorted((c for c in chapters if c.after is not None), key=lambda c: c.number, reverse=True):
+        if chapter.after not in numbers or chapter.after == chapter.number:
+            raise ValueError(f"{chapter.path.name}: metadata labkit.after={chapter.after!r} names no other chapter")
+        where = next(i for i, c in enumerate(ordered) if c.number == chapter.after)
+        ordered.insert(where + 1, chapter)
+    return ordered
 
 
 def _link(chapter: Chapter) -> str:
@@ -142,10 +160,9 @@ def _dump(notebook: dict) -> str:
 def update_chapters(paths: list[Path], write: bool = True) -> list[Path]:
     """Insert or update the navigation cells of every chapter in ``paths`` (all chapters of a course, in
     order); return the notebooks whose file changed (or would change, with ``write=False``)."""
-    paths = sorted(Path(p) for p in paths)
     if not paths:
         raise ValueError("paths: expected at least one chapter notebook")
-    chapters = [read_chapter(p) for p in paths]
+    chapters = reading_order([read_chapter(p) for p in paths])
     changed = []
     for index, chapter in enumerate(chapters):
         text = chapter.path.read_text(encoding="utf-8")
@@ -211,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     if not paths:
         parser.error("no notebooks given and none found in notebooks/")
     if args.table:
-        print(chapter_table([read_chapter(p) for p in sorted(paths)]))
+        print(chapter_table(reading_order([read_chapter(p) for p in paths])))
         return 0
     changed = update_chapters(paths, write=not args.check)
     for path in changed:

@@ -38,16 +38,17 @@ def cells(path: Path) -> list[dict]:
 
 def test_every_chapter_gets_a_first_and_a_last_line_whose_links_resolve(course):
     before = {p: [c for c in cells(p) if c["cell_type"] == "code"] for p in course}
-    assert update_chapters(course) == course
-    for index, path in enumerate(course):
+    assert sorted(update_chapters(course)) == course
+    order = [c.path for c in navigation.reading_order([read_chapter(p) for p in course])]
+    for index, path in enumerate(order):
         nb = cells(path)
         assert nb[0]["id"] == TOP_ID and nb[-1]["id"] == BOTTOM_ID
         top, bottom = "".join(nb[0]["source"]), "".join(nb[-1]["source"])
         assert "\n" not in top and f"Chapter {path.name[:2]} of {len(course)}" in top and " min" in top
         if index > 0:
-            assert f"({course[index - 1].name})" in top
-        if index + 1 < len(course):
-            assert f"({course[index + 1].name}) →" in top and f"({course[index + 1].name})" in bottom
+            assert f"({order[index - 1].name})" in top
+        if index + 1 < len(order):
+            assert f"({order[index + 1].name}) →" in top and f"({order[index + 1].name})" in bottom
         else:
             assert "last chapter" in top and "README.md#chapters" in bottom
         assert navigation.links(json.loads(path.read_text()))
@@ -113,3 +114,13 @@ def test_a_file_that_is_not_a_chapter_is_refused(tmp_path):
 
 def test_the_stored_chapters_carry_current_navigation_lines():
     assert update_chapters(CHAPTERS, write=False) == [], "run `python -m labkit.navigation` after adding or renaming a chapter"
+
+
+def test_a_chapter_marked_after_another_is_read_right_after_it(course):
+    chapters = [read_chapter(p) for p in course]
+    last = chapters[-1]
+    moved = navigation.reading_order([*chapters[:-1], navigation.Chapter(**{**last.__dict__, "after": "00"})])
+    assert [c.number for c in moved[:2]] == ["00", last.number]
+    assert [c.number for c in moved[2:]] == [c.number for c in chapters[1:-1]]
+    with pytest.raises(ValueError, match="after"):
+        navigation.reading_order([*chapters[:-1], navigation.Chapter(**{**last.__dict__, "after": "99"})])
