@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+import re
 
 import pytest
 import torch
@@ -114,3 +115,93 @@ def test_labkits_class_refuses_while_grading_and_builds_as_before_afterwards():
     for _ in range(2):
         layer = build()
         assert type(layer) is LoRALinear and layer.lora_A.shape == before.lora_A.shape == (2, 8)
+
+
+def _with_torchs_adamw(groups, step):
+    for group in groups:
+        optimizer = torch.optim.AdamW(group["params"], lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                                      weight_decay=group["weight_decay"])
+        for p, grad in zip(group["params"], group["grads"]):
+            p.grad = grad
+        optimizer.step()
+
+
+def _with_torchs_adam(groups, step):
+    torch.optim.Adam([p for group in groups for p in group["params"]], weight_decay=0.0)
+
+
+def _with_labkits_adamw(groups, step):
+    from labkit.train import AdamW
+
+    AdamW([{"params": group["params"], "lr": group["lr"]} for group in groups])
+
+
+def _with_torchs_functional_adamw(groups, step):
+    from torch.optim.adamw import adamw
+
+    for group in groups:
+        adamw(group["params"], group["grads"], group["exp_avg"], group["exp_avg_sq"], [],
+              [torch.tensor(float(step - 1)) for _ in group["params"]], foreach=False, amsgrad=False,
+              beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"], weight_decay=group["weight_decay"],
+              eps=group["eps"], maximize=False)
+
+
+def _with_torchs_fused_adamw(groups, step):
+    for group in groups:
+        torch._fused_adamw_(group["params"], group["grads"], group["exp_avg"], group["exp_avg_sq"], [],
+                            [torch.tensor(float(step)) for _ in group["params"]], lr=group["lr"], beta1=group["betas"][0],
+                            beta2=group["betas"][1], weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False,
+                            maximize=False)
+
+
+@pytest.mark.parametrize("answer, name", [
+    (_with_torchs_adamw, "torch.optim.AdamW"),
+    (_with_torchs_adam, "torch.optim.Adam"),
+    (_with_labkits_adamw, "labkit.train.AdamW"),
+    (_with_torchs_functional_adamw, "torch.optim.adamw.adamw"),
+    (_with_torchs_fused_adamw, "torch._fused_adamw_"),
+])
+def test_adamw_step_refuses_torchs_and_labkits_optimizers(answer, name):
+    from labkit.train import AdamW
+
+    with pytest.raises(DelegationRefused, match=rf"(?s)your code called {re.escape(name)}\n.*expected: your own adamw_step, "
+                                                rf".*write it yourself: `{re.escape(name)}`"):
+        checks.adamw_step(answer)
+    with pytest.raises(DelegationRefused, match="AdamW"):  # labkit's class handed in as the answer itself
+        checks.adamw_step(AdamW)
+
+
+def test_adamw_steps_grader_runs_torchs_adamw_while_refusing_it_and_restores_it(capsys):
+    # the grader's reference is torch.optim.adamw.adamw, itself refused while it grades; torch's own calls inside
+    # (adamw -> adam -> _single_tensor_adam) come from torch and run
+    from torch.optim.adamw import adamw
+
+    from labkit.train import AdamW, TrainConfig, make_optimizer
+
+    init, functional = torch.optim.AdamW.__init__.__code__, adamw.__code__
+
+    def right(groups, step):
+        with torch.no_grad():
+            for group in groups:
+                lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+                for p, g, m, v in zip(group["params"], group["grads"], group["exp_avg"], group["exp_avg_sq"]):
+                    p.mul_(1 - lr * wd)
+                    m.lerp_(g, 1 - b1)
+                    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                    p.addcdiv_(m, (v / (1 - b2**step)).sqrt() + eps, value=-lr / (1 - b1**step))
+
+    checks.adamw_step(right)
+    assert "✓ adamw_step" in capsys.readouterr().out
+    assert torch.optim.AdamW.__init__.__code__ is init and adamw.__code__ is functional
+    with _core.refusing("adamw_step"):
+        layer = torch.nn.Linear(3, 2)
+        make_optimizer(layer, TrainConfig())  # labkit's own code builds its AdamW
+        with pytest.raises(DelegationRefused):
+            torch.optim.AdamW(layer.parameters())
+    for optimizer_cls in (torch.optim.AdamW, AdamW):  # and both build and step as before afterwards
+        layer = torch.nn.Linear(3, 2)
+        optimizer = optimizer_cls(layer.parameters(), lr=0.1)
+        layer(torch.ones(1, 3)).sum().backward()
+        before = layer.weight.detach().clone()
+        optimizer.step()
+        assert not torch.equal(layer.weight.detach(), before)

@@ -152,6 +152,7 @@ def test_describe_names_the_learners_object_and_its_bases():
     ("cross_entropy", None, lambda logits, targets: logits.mean()),
     ("causal_mask", "labkit.nn.causal_mask", lambda n, m=None: torch.ones(n, m or n, dtype=torch.bool)),
     ("rmsnorm", None, lambda x, w, eps: x * w),
+    ("adamw_step", "labkit.train.AdamW", lambda groups, step: None),
 ])
 def test_graders_on_handles_give_the_verdicts_they_give_on_functions(exercise, right, wrong):
     from labkit.checks._core import _resolve_dotted

@@ -14,6 +14,9 @@ DELEGATES: dict[str, tuple[str, ...]] = {
     "get_batch": ("labkit.data.get_batch",),
     "cross_entropy": ("labkit.train.cross_entropy", "torch.nn.functional.cross_entropy", "torch.nn.functional.nll_loss",
                       "torch.logsumexp", "torch.Tensor.logsumexp", "torch.special.logsumexp"),
+    "adamw_step": ("labkit.train.AdamW", "torch.optim.AdamW", "torch.optim.Adam", "torch.optim.adamw.adamw",
+                   "torch.optim.adam.adam", "torch.optim.adam._single_tensor_adam", "torch.optim.adam._multi_tensor_adam",
+                   "torch.optim.adam._fused_adam", "torch._fused_adamw_", "torch._fused_adam_"),
     "amax_scale": ("labkit.precision.amax_scale",),
     "update_scale": ("labkit.precision.update_scale",),
     "mx_quantize": ("labkit.block_formats.mx_quantize",),
@@ -46,6 +49,15 @@ DELEGATES: dict[str, tuple[str, ...]] = {
     "sequence_logprobs": ("labkit.preference.sequence_logprobs",),
     "bradley_terry_loss": ("labkit.preference.bradley_terry_loss",),
     "dpo_loss": ("labkit.preference.dpo_loss",),
+    # third-party names (test extras, not dependencies) are skipped where the package is missing; a class is
+    # refused through its own Python __init__, so Hugging Face's Rust classes are refused method by method
+    "bpe_merge_step": ("labkit.tokenizer.train_bpe", "labkit.tokenizer._merge", "tiktoken._educational.bpe_train",
+                       "tokenizers.Tokenizer.train", "tokenizers.Tokenizer.train_from_iterator"),
+    "bpe_encode": ("labkit.tokenizer.Tokenizer", "labkit.tokenizer.Tokenizer._bpe", "labkit.tokenizer.Tokenizer.encode",
+                   "tiktoken.Encoding", "tiktoken._educational.bpe_encode", "tiktoken._educational.SimpleBytePairEncoding",
+                   "tokenizers.Tokenizer.encode", "tokenizers.Tokenizer.encode_batch", "tokenizers.models.Model.tokenize"),
+    "minhash_signature": ("labkit.datapipe.minhash_signature", "labkit.datapipe.minhash_signatures",
+                          "labkit.datapipe._universal_hash", "datasketch.MinHash"),
 }
 
 
