@@ -107,7 +107,7 @@ test-browser: $(VENV)/.installed-browser
 		$(call report_margins,build/claims-browser.jsonl)
 
 ## Measure how far each chapter's asserted numbers move across instruction sets, thread counts, load (the
-## scalar path beside two busy processes) and, for the chapters with training claims, seeds (LABKIT_SEED=1..4);
+## scalar path beside two busy processes) and, for the chapters with training claims, seeds (LABKIT_SEED=1..7);
 ## ends with each claim's worst headroom over all of them. NB=... for some chapters (hours for all of them).
 spread: $(VENV)/.installed-test
 	LABKIT_DEVICE=cpu $(BIN)/python tests/claim_spread.py $(NB)

@@ -23,9 +23,12 @@ def plot_init_statistics(stats_list, title: str = "Initialization scale vs depth
     return fig
 
 
-def plot_histories(histories: dict, title: str = "Loss", val_only: bool = False):
-    """Train (thin) and validation (markers) loss of several runs, keyed by label."""
+def plot_histories(histories: dict, title: str = "Loss", val_only: bool = False, levels: dict | None = None):
+    """Train (thin) and validation (markers) loss of several runs, keyed by label; ``levels`` maps a label to
+    a loss drawn as a dashed horizontal line (a uniform guess's ln V, the floor no model can beat)."""
     fig, ax = plt.subplots(figsize=(7, 3.5))
+    for (label, level), style in zip((levels or {}).items(), ("--", ":", "-.") * 4):
+        ax.axhline(level, color="gray", ls=style, lw=1, label=label)
     for label, h in histories.items():
         if not val_only:
             (line,) = ax.plot(h.step, h.train_loss, lw=0.8, alpha=0.6, label=f"{label} (train)")
