@@ -12,6 +12,7 @@ whitespace), and merges never cross a pre-token: " dog" and " dog." share the to
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 import multiprocessing
@@ -503,9 +504,17 @@ def merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return merges
 
 
-def gpt2_tokenizer() -> Tokenizer:
-    """GPT-2's tokenizer (50,257 tokens: 50,256 merged from its ranks, ``<|endoftext|>`` = 50256),
-    offline, encoding exactly as ``tiktoken``'s ``gpt2`` encoding does (tests/test_tokenizer.py)."""
+@functools.lru_cache(maxsize=1)
+def _gpt2_vocab_and_merges() -> tuple[dict[int, bytes], tuple[tuple[bytes, bytes], ...]]:
+    # recovering 50,000 merges takes a few seconds: once per process
     ranks = read_ranks()
     vocab = {i: t for t, i in ranks.items()} | {len(ranks): GPT2_EOT.encode()}
-    return Tokenizer(vocab, merges_from_ranks(ranks), [GPT2_EOT])
+    return vocab, tuple(merges_from_ranks(ranks))
+
+
+def gpt2_tokenizer() -> Tokenizer:
+    """GPT-2's tokenizer (50,257 tokens: 50,256 merged from its ranks, ``<|endoftext|>`` = 50256),
+    offline, encoding exactly as ``tiktoken``'s ``gpt2`` encoding does (tests/test_tokenizer.py).
+    Each call returns a new tokenizer (with an empty pre-token cache)."""
+    vocab, merges = _gpt2_vocab_and_merges()
+    return Tokenizer(vocab, list(merges), [GPT2_EOT])

@@ -33,3 +33,16 @@ def test_correctness_checks_report_small_errors():
 def test_print_table_aligns_columns(capsys):
     print_table([{"op": "rmsnorm", "GB/s": 1234.5678}, {"op": "softmax", "GB/s": 2.0}])
     assert capsys.readouterr().out.splitlines() == ["     op      GB/s", "rmsnorm  1.23e+03", "softmax         2"]
+
+
+def test_tokenizer_suite_times_agreeing_encoders(capsys):
+    from labkit.bench.tokenizer import run
+
+    rows = run(max_chars=20_000, vocab_size=300, repeats=1)
+    assert [(r["task"], r["library"]) for r in rows] == [
+        ("train to 300 tokens", "labkit"), ("train to 300 tokens", "tokenizers"),
+        ("encode with GPT-2's merges", "labkit"), ("encode with GPT-2's merges", "tokenizers"),
+        ("encode with GPT-2's merges", "tiktoken")]  # both libraries are in the test extra
+    assert all(r["MB/s"] > 0 and r["bytes"] == rows[0]["bytes"] for r in rows)
+    assert [r["labkit / this"] for r in rows if r["library"] == "labkit"] == [1.0, 1.0]
+    assert "labkit / this" in capsys.readouterr().out

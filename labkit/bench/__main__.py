@@ -13,7 +13,7 @@ def main() -> None:
     suites = sorted(m.name for m in pkgutil.iter_modules(labkit.bench.__path__) if not m.name.startswith("_"))
     parser = argparse.ArgumentParser(prog="python -m labkit.bench", description=__doc__)
     parser.add_argument("suite", choices=suites)
-    args = parser.parse_args()
+    args, _ = parser.parse_known_args()  # the rest is the suite's own options
     importlib.import_module(f"labkit.bench.{args.suite}").main()
 
 
