@@ -22,7 +22,7 @@ PORTABLE_ENV := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 OMP_N
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 # make test-load: the chapters whose claims rest on a time on the CPU (chapter 03's decode speed-ups are
 # asserted on CUDA only), and how long its busy processes may spin at most (they end with the run).
-LOAD_NOTEBOOKS ?= notebooks/00_foundations.ipynb notebooks/09_hardware_performance.ipynb
+LOAD_NOTEBOOKS ?= notebooks/00_foundations.ipynb notebooks/09_hardware_performance.ipynb notebooks/11_tokenization_data.ipynb
 LOAD_SECONDS   ?= 900
 # After a test command (pass or fail, keeping its exit status): the claims with the least headroom in its claims log.
 report_margins = status=$$?; $(BIN)/python tests/claim_spread.py --margins $(1); exit $$status
