@@ -1249,6 +1249,17 @@ def _batch_tokens(batch) -> int:
     return int(x.numel()) if hasattr(x, "numel") else 0
 
 
+def _warmed_up(loader: Iterable, warmup: int) -> Iterator:
+    """An iterator over ``loader`` past its first ``warmup`` batches (starting workers, filling caches)."""
+    if not isinstance(loader, Iterable):
+        raise TypeError(f"loader: expected an iterable of batches, got {type(loader).__name__}")
+    it = iter(loader)
+    for _ in range(warmup):
+        if next(it, None) is None:
+            raise ValueError(f"loader: ended during the {warmup} warm-up batches")
+    return it
+
+
 def loader_throughput(loader: Iterable, num_batches: int = 20, warmup: int = 1) -> LoaderThroughput:
     """How fast ``loader`` delivers batches when nothing else runs: ``num_batches`` timed after
     ``warmup`` untimed ones (the first batches include starting workers and filling caches).
@@ -1256,12 +1267,7 @@ def loader_throughput(loader: Iterable, num_batches: int = 20, warmup: int = 1) 
     over the batches it gave."""
     num_batches = _check_int("num_batches", num_batches, 1)
     warmup = _check_int("warmup", warmup, 0)
-    if not isinstance(loader, Iterable):
-        raise TypeError(f"loader: expected an iterable of batches, got {type(loader).__name__}")
-    it = iter(loader)
-    for _ in range(warmup):
-        if next(it, None) is None:
-            raise ValueError(f"loader: ended during the {warmup} warm-up batches")
+    it = _warmed_up(loader, warmup)
     batches = tokens = 0
     start = time.perf_counter()
     for batch in itertools.islice(it, num_batches):
@@ -1325,12 +1331,7 @@ def time_blocked_on_data(loader: Iterable, step: float | Callable, num_steps: in
         def work(batch):
             time.sleep(seconds)
 
-    if not isinstance(loader, Iterable):
-        raise TypeError(f"loader: expected an iterable of batches, got {type(loader).__name__}")
-    it = iter(loader)
-    for _ in range(warmup):
-        if next(it, None) is None:
-            raise ValueError(f"loader: ended during the {warmup} warm-up batches")
+    it = _warmed_up(loader, warmup)
     waiting = computing = 0.0
     steps = 0
     for _ in range(num_steps):
