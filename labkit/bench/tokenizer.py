@@ -51,6 +51,17 @@ def _hf_trainer(vocab_size: int):
     return tokenizer, trainer
 
 
+def hf_bpe_merges(text: str, vocab_size: int) -> list[tuple[bytes, bytes]]:
+    """The merges Hugging Face ``tokenizers``' trainer makes on ``text`` (documents joined by ``<|endoftext|>``),
+    configured as ``labkit.tokenizer.train_bpe`` is, as pairs of bytes (its own strings are GPT-2's byte-to-unicode
+    characters). Chapter 11 compares them with labkit's."""
+    tokenizer, trainer = _hf_trainer(vocab_size)
+    tokenizer.train_from_iterator(text.split(GPT2_EOT), trainer)  # it does not split on special tokens itself
+    to_byte = {c: b for b, c in bytes_to_unicode().items()}
+    merges = json.loads(tokenizer.to_str())["model"]["merges"]
+    return [tuple(bytes(to_byte[c] for c in half) for half in (m.split(" ") if isinstance(m, str) else m)) for m in merges]
+
+
 def _hf_gpt2():
     """GPT-2's tokenizer in Hugging Face ``tokenizers``, built from labkit's vocab and merges (GPT-2's format)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -70,7 +81,9 @@ def _hf_gpt2():
     return tokenizer
 
 
-def _tiktoken_gpt2():
+def tiktoken_gpt2():
+    """tiktoken's GPT-2 encoding, built offline from the ranks labkit ships (``tiktoken.get_encoding("gpt2")``
+    would download them)."""
     import tiktoken
 
     ranks = read_ranks()
@@ -105,7 +118,7 @@ def run(max_chars: int | None = None, vocab_size: int = 4096, repeats: int = 3) 
         hf = _hf_gpt2()
         encoders["tokenizers"] = lambda: hf.encode(text).ids
     if have["tiktoken"]:
-        enc = _tiktoken_gpt2()
+        enc = tiktoken_gpt2()
         encoders["tiktoken"] = lambda: enc.encode(text, allowed_special="all")
     for name, encode in encoders.items():
         if encode() != expected:
