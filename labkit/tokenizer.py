@@ -225,6 +225,19 @@ class _Descending:
         return self.pair > other.pair
 
 
+def merge_pair(word, a, b, new) -> list:
+    """``word`` (a sequence of symbols) with every non-overlapping ``a, b`` replaced by ``new``, left to right."""
+    out, i = [], 0
+    while i < len(word):
+        if i + 1 < len(word) and word[i] == a and word[i + 1] == b:
+            out.append(new)
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return out
+
+
 def _merge(
     counts: Counter[str], vocab_size: int, specials: list[str]
 ) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
@@ -268,14 +281,7 @@ def _merge(
         delta: dict[tuple[int, int], int] = defaultdict(int)
         for w in where.pop(pair):
             word, freq = words[w], freqs[w]
-            out, i = [], 0
-            while i < len(word):
-                if i + 1 < len(word) and word[i] == a and word[i + 1] == b:
-                    out.append(new)
-                    i += 2
-                else:
-                    out.append(word[i])
-                    i += 1
+            out = merge_pair(word, a, b, new)
             old_pairs, new_pairs = list(zip(word, word[1:])), list(zip(out, out[1:]))
             for p in old_pairs:
                 delta[p] -= freq

@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import regex
 import tiktoken
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models, pre_tokenizers, trainers
 
 from labkit import tokenizer as tk
+from labkit.bench.tokenizer import hf_bpe_merges
 from labkit.tokenizer import GPT2_PATTERN, GPT2_RANKS, Tokenizer, bytes_to_unicode, gpt2_tokenizer, read_ranks, train_bpe
 
 EOT = "<|endoftext|>"
@@ -103,22 +102,6 @@ def naive_bpe(text: str, vocab_size: int, specials: list[str], tie_break: str = 
     return merges, ties
 
 
-def hf_bpe(text: str, vocab_size: int, specials: list[str]) -> list[tuple[bytes, bytes]]:
-    """Hugging Face's trainer configured as ours: GPT-2's regex, all 256 bytes, no frequency floor.
-    Its trainer does not split the text on special tokens, so it is fed the spans between them."""
-    tokenizer = HFTokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False, min_frequency=0,
-    )
-    split = "|".join(map(regex.escape, sorted(specials, key=len, reverse=True)))
-    tokenizer.train_from_iterator(regex.split(split, text) if specials else [text], trainer)
-    u2b = {c: b for b, c in bytes_to_unicode().items()}
-    merges = json.loads(tokenizer.to_str())["model"]["merges"]
-    return [tuple(bytes(u2b[c] for c in half) for half in (m.split(" ") if isinstance(m, str) else m)) for m in merges]
-
-
 def write(tmp_path: Path, text: str, name: str = "corpus.txt") -> Path:
     path = tmp_path / name
     path.write_text(text, encoding="utf-8")
@@ -200,7 +183,7 @@ def test_same_merges_as_hugging_face_up_to_ties(tmp_path):
     text = pydoc_text(40_000)
     vocab_size = 256 + 1 + 150
     ours = train_bpe(write(tmp_path, text), vocab_size, [EOT])[1]
-    hf = hf_bpe(text, vocab_size, [EOT])
+    hf = hf_bpe_merges(text, vocab_size)  # Hugging Face's trainer, configured as ours (labkit.bench.tokenizer)
     naive_hf, ties = naive_bpe(text, vocab_size, [EOT], tie_break="hf")
     assert hf == naive_hf
     first_tie = ties[0]

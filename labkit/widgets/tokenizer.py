@@ -27,7 +27,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 from labkit.datapipe import EOT, Document
-from labkit.tokenizer import _PRETOKEN, Tokenizer, _check_special_tokens, _special_pattern, train_bpe
+from labkit.tokenizer import _PRETOKEN, Tokenizer, _check_special_tokens, _special_pattern, merge_pair, train_bpe
 from labkit.widgets import drawn
 
 DEFAULT_MAX_VOCAB = 4096  # trained once (about 1 s on the chapter's corpus); every smaller vocabulary is a prefix
@@ -114,14 +114,7 @@ def replay_token_counts(vocab: dict[int, bytes], merges: list[tuple[bytes, bytes
             if encoder is not None:
                 merged = list(encoder._bpe(raw[w]))
             else:
-                merged, i = [], 0
-                while i < len(word):
-                    if i + 1 < len(word) and word[i] == a and word[i + 1] == b:
-                        merged.append(new)
-                        i += 2
-                    else:
-                        merged.append(word[i])
-                        i += 1
+                merged = merge_pair(word, a, b, new)
             old_pairs, new_pairs = set(zip(word, word[1:])), set(zip(merged, merged[1:]))
             for p in old_pairs - new_pairs:
                 if p in where:
