@@ -2,6 +2,8 @@
 with a hint that names the mistake."""
 import labkit  # noqa: F401
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -169,3 +171,112 @@ def test_dpo_loss_rejects_typical_mistakes(mistake, words):
 def test_dpo_loss_rejects_a_loss_only_answer():
     with pytest.raises(CheckFailed, match="return loss, chosen_rewards"):
         checks.dpo_loss(lambda *a: dpo(*a)[0])
+
+
+def test_sequence_logprobs_rejects_squeezing_a_batch_of_one():
+    def squeezed(model, prompt_ids, response_ids, response_mask):
+        return logprobs(model, prompt_ids, response_ids, response_mask).squeeze()
+
+    with pytest.raises(CheckFailed, match="batch of one"):
+        checks.sequence_logprobs(squeezed)
+
+
+# ----------------------------------------------------------------------------- grpo_advantages
+def advantages(rewards, group_size, *, mistake=None):
+    """A learner's grpo_advantages; ``mistake`` swaps in one typical error."""
+    if rewards.numel() % group_size and mistake != "no check":
+        raise ValueError(f"rewards: {rewards.numel()} is not a multiple of group_size={group_size}")
+    r = rewards.float() if mistake != "no float" else rewards.to(torch.float64)
+    if mistake == "global":
+        return (r - r.mean()) / (r.std() + 1e-4)
+    groups = r.view(group_size, -1) if mistake == "strided" else r.view(-1, group_size)
+    dim = 0 if mistake == "strided" else 1
+    centred = groups - groups.mean(dim, keepdim=True)
+    if mistake == "no std":
+        return centred.reshape(-1)
+    std = groups.std(dim, keepdim=True, unbiased=mistake != "population std")
+    if mistake == "no eps":
+        return (centred / std).reshape(-1)
+    return (centred / (std + 1e-4)).reshape(-1)
+
+
+def test_grpo_advantages_accepts_labkit_and_a_plain_solution(capsys):
+    checks.grpo_advantages(P.grpo_advantages)
+    checks.grpo_advantages(advantages)
+    checks.grpo_advantages(lambda r, g: (lambda x: ((x - x.mean(1, keepdim=True)) / (x.var(1, keepdim=True) + 0).sqrt()
+                                                   .add(1e-4)).flatten())(r.float().reshape(-1, g)) if r.numel() % g == 0
+                           else (_ for _ in ()).throw(ValueError("ragged")))
+    assert capsys.readouterr().out.count("✓ grpo_advantages:") == 3
+
+
+@pytest.mark.parametrize("mistake, words", [
+    ("global", "within each prompt's group"),
+    ("strided", "consecutive"),
+    ("population std", "sample standard deviation"),
+    ("no std", "Dr. GRPO"),
+    ("no eps", "std 0"),
+    ("no float", "float32"),
+    ("no check", "ValueError"),
+])
+def test_grpo_advantages_rejects_typical_mistakes(mistake, words):
+    with pytest.raises(CheckFailed, match=re.escape(words)):
+        checks.grpo_advantages(lambda r, g: advantages(r, g, mistake=mistake))
+
+
+# ----------------------------------------------------------------------------- k3_kl
+def k3(logps, ref_logps, mask, *, mistake=None):
+    """A learner's k3_kl; ``mistake`` swaps in one typical error."""
+    ref = ref_logps if mistake == "ref grad" else ref_logps.detach()
+    log_ratio = ref - logps
+    per_token = {"k1": -log_ratio, "k2": log_ratio ** 2 / 2,
+                 "reversed": torch.exp(-log_ratio) + log_ratio - 1}.get(mistake, torch.exp(log_ratio) - log_ratio - 1)
+    if mistake == "times mask":
+        masked = per_token * mask
+    else:
+        masked = torch.where(mask, per_token, torch.zeros((), dtype=per_token.dtype))
+    total = masked.sum(1)
+    if mistake == "sum":
+        return total
+    if mistake == "padded length":
+        return total / mask.shape[1]
+    if mistake == "no clamp":
+        return total / mask.sum(1)
+    if mistake == "detach":
+        return (total / mask.sum(1).clamp_min(1)).detach()
+    if mistake == "batch mean":
+        return masked.sum() / mask.sum()
+    return total / mask.sum(1).clamp_min(1)
+
+
+def test_k3_kl_accepts_a_plain_solution_and_labkits_estimate_turned_into_a_mean(capsys):
+    checks.k3_kl(k3)
+    # the unwrapped grader (no refusal): labkit's per-sequence sum divided by the lengths is the same number
+    checks.k3_kl(lambda lp, ref, m: P.kl_estimate(torch.where(m, lp, ref), ref.detach(), m, "k3") / m.sum(1).clamp_min(1))
+    assert capsys.readouterr().out.count("✓ k3_kl:") == 2
+
+
+@pytest.mark.parametrize("mistake, words", [
+    ("k1", "this is k1"),
+    ("k2", "this is k2"),
+    ("reversed", "other direction"),
+    ("sum", "not the sum"),
+    ("padded length", "not over the padded length"),
+    ("no clamp", "empty response"),
+    ("times mask", "inf * 0"),
+    ("detach", "requires_grad=False"),
+    ("batch mean", "one estimate per response"),
+    ("ref grad", "no gradient for the reference"),
+])
+def test_k3_kl_rejects_typical_mistakes(mistake, words):
+    with pytest.raises(CheckFailed, match=re.escape(words)):
+        checks.k3_kl(lambda lp, ref, m: k3(lp, ref, m, mistake=mistake))
+
+
+def test_the_new_graders_refuse_labkits_answers():
+    from labkit import checks as graded
+    from labkit.checks import DelegationRefused
+
+    with pytest.raises(DelegationRefused, match="grpo_advantages"):
+        graded.grpo_advantages(lambda r, g: P.grpo_advantages(r, g))
+    with pytest.raises(DelegationRefused, match="kl_estimate"):
+        graded.k3_kl(lambda lp, ref, m: P.kl_estimate(lp, ref, m, "k3") / m.sum(1).clamp_min(1))

@@ -19,7 +19,6 @@ KNOWN: dict[str, set[tuple[str, str]]] = {
     "04_mixture_of_experts": {("top_k_routing", "most lines"), ("load_balancing_loss", "show_source"),
                               ("load_balancing_loss", "copy")},
     "05_lora_peft": {("LoRALinear", "show_source")},
-    "10_preference_learning": {("sequence_logprobs", "copy"), ("dpo_loss", "show_source"), ("dpo_loss", "most lines")},
 }
 SOLVED = ("def my_softmax(x):\n    # BEGIN SOLUTION\n    shifted = x - x.max(dim=-1, keepdim=True).values\n"
           "    exps = torch.exp(shifted)\n    total = exps.sum(dim=-1, keepdim=True)\n    return exps / total\n"

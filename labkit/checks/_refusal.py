@@ -49,6 +49,8 @@ DELEGATES: dict[str, tuple[str, ...]] = {
     "sequence_logprobs": ("labkit.preference.sequence_logprobs",),
     "bradley_terry_loss": ("labkit.preference.bradley_terry_loss",),
     "dpo_loss": ("labkit.preference.dpo_loss",),
+    "grpo_advantages": ("labkit.preference.grpo_advantages",),
+    "k3_kl": ("labkit.preference.kl_estimate", "labkit.preference.grpo_loss"),
     # third-party names (test extras, not dependencies) are skipped where the package is missing; a class is
     # refused through its own Python __init__, so Hugging Face's Rust classes are refused method by method
     "bpe_merge_step": ("labkit.tokenizer.train_bpe", "labkit.tokenizer._merge", "tiktoken._educational.bpe_train",

@@ -5,7 +5,11 @@
   :func:`labkit.preference.sequence_logprobs`;
 * ``bradley_terry_loss(fn)``: ``fn(r_chosen, r_rejected)`` -> the mean ``-log sigmoid(r_chosen - r_rejected)``;
 * ``dpo_loss(fn)``: ``fn(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,
-  beta)`` -> ``(loss, chosen_rewards, rejected_rewards, margins, accuracy)`` as :func:`labkit.preference.dpo_loss`.
+  beta)`` -> ``(loss, chosen_rewards, rejected_rewards, margins, accuracy)`` as :func:`labkit.preference.dpo_loss`;
+* ``grpo_advantages(fn)``: ``fn(rewards, group_size)`` -> float32 ``[n]``, each reward normalised within its
+  group of ``group_size`` consecutive responses, as :func:`labkit.preference.grpo_advantages`;
+* ``k3_kl(fn)``: ``fn(logps, ref_logps, mask)`` -> ``[n]``, the mean over each response's real tokens of the k3
+  estimate of ``KL(pi || pi_ref)``, the per-response KL term of GRPO's objective.
 
 Each grader builds its own models and tensors (several seeds, shapes, dtypes, right padding, huge
 margins), keeps its own copies, calls the learner's code twice, checks types, dtypes, shapes and gradients,
@@ -21,7 +25,7 @@ from labkit import preference as P
 from labkit.checks._core import call_on_copies, call_twice, expect_differentiable, expect_dtype, fail, passed, results
 from labkit.model import TransformerLM, tiny_config
 
-__all__ = ["sequence_logprobs", "bradley_terry_loss", "dpo_loss"]
+__all__ = ["sequence_logprobs", "bradley_terry_loss", "dpo_loss", "grpo_advantages", "k3_kl"]
 
 
 def _max_error(got: torch.Tensor, expected: torch.Tensor) -> str:
@@ -53,6 +57,7 @@ def _lp_cases():
         ("batch 2, prompt 7, responses of length 5 (no padding)", 2, 20, 7, (5, 5), torch.float32),
         ("batch 5, prompt 3, responses of lengths 2, 1, 4, 4, 3", 3, 15, 3, (2, 1, 4, 4, 3), torch.float32),
         ("a bfloat16 model, batch 3, prompt 4, responses of lengths 3, 1, 2", 4, 13, 4, (3, 1, 2), torch.bfloat16),
+        ("batch 1, prompt 2, a response of length 3 (a batch of one is still a batch)", 5, 12, 2, (3,), torch.float32),
     ]
 
 
@@ -294,3 +299,185 @@ def _grade_dpo_gradients(fn) -> None:
         fail(tried, "d loss / d policy_chosen_logps = " + (_show(pc_in.grad) if pc_in.grad is not None else "None"),
              _show(expected), "the loss's gradient is -beta * sigmoid(-beta h) / n for the chosen log-probs and its negative "
                               "for the rejected ones: build it from the policy log-probs with torch ops")
+
+
+# ----------------------------------------------------------------------------- grpo_advantages
+GRPO_EPS = 1e-4  # labkit.preference.grpo_advantages' default: (r - mean) / (std + eps)
+
+
+def _advantage_reference(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    groups = rewards.double().view(-1, group_size)
+    return ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + GRPO_EPS)).reshape(-1)
+
+
+def _advantage_mistakes(rewards: torch.Tensor, group_size: int) -> dict:
+    """The typical wrong answers, each with the hint that names it."""
+    r = rewards.double()
+    groups = r.view(-1, group_size)
+    centred = groups - groups.mean(1, keepdim=True)
+    strided = r.view(group_size, -1)
+    strided = ((strided - strided.mean(0, keepdim=True)) / (strided.std(0, keepdim=True) + GRPO_EPS)).reshape(-1)
+    return {
+        "normalise within each prompt's group, not over the whole batch: the baseline is the mean of the same "
+        "prompt's other answers": (r - r.mean()) / (r.std() + GRPO_EPS),
+        "the groups are consecutive: responses 0..G-1 answer prompt 0 (rewards.view(-1, group_size)), not every "
+        "n-th response (view(group_size, -1))": strided,
+        "use the sample standard deviation (torch.std's default, unbiased, as TRL's GRPOTrainer): not "
+        "std(unbiased=False)": (centred / (groups.std(1, unbiased=False, keepdim=True) + GRPO_EPS)).reshape(-1),
+        "divide by the group's standard deviation (+ eps): mean-centring alone is Dr. GRPO's variant, not the "
+        "objective asked for here": centred.reshape(-1),
+    }
+
+
+def _advantage_cases():
+    gen = torch.Generator().manual_seed(40)
+    binary = torch.rand(32, generator=gen) < 0.5
+    binary[:8], binary[8:16] = True, False  # a group all right and a group all wrong
+    tied = torch.randn(15, generator=gen)
+    tied[5:10] = 0.25  # a group of equal real-valued rewards
+    return [
+        ("3 prompts x 4 responses, float32 rewards", torch.randn(12, generator=gen), 4),
+        ("4 prompts x 8 responses, bool rewards (right or not), group 0 all right, group 1 all wrong", binary, 8),
+        ("2 prompts x 2 responses, int64 rewards", torch.tensor([1, 0, 3, 3]), 2),
+        ("1 prompt x 16 responses, float64 rewards near 1000", 1000 + torch.randn(16, generator=gen, dtype=torch.float64), 16),
+        ("3 prompts x 5 responses, float32, group 1 five equal rewards 0.25", tied, 5),
+        ("6 prompts x 3 responses, float32 rewards of size ~50", 50 * torch.randn(18, generator=gen), 3),
+    ]
+
+
+def grpo_advantages(fn) -> None:
+    """Grade ``fn(rewards, group_size)`` -> float32 ``[n]``: ``rewards`` ``[n]`` (bool, integer or float) hold
+    ``n / group_size`` groups of consecutive responses to one prompt; each reward becomes
+    ``(r - mean of its group) / (std of its group + 1e-4)`` (sample std); a group of equal rewards gets 0
+    (finite); a length that is not a multiple of ``group_size`` raises ``ValueError``."""
+    for tried, rewards, group_size in _advantage_cases():
+        call_tried = f"grpo_advantages(rewards, group_size={group_size}) with {tried}"
+        expected = _advantage_reference(rewards, group_size)
+        (got,) = call_twice(fn, call_tried, (rewards, group_size), ("the advantages",))
+        if got.shape != expected.shape:
+            fail(call_tried, f"shape {tuple(got.shape)}", f"shape {tuple(expected.shape)}, one advantage per response",
+                 "return the advantages flat, in the rewards' order (reshape(-1) after normalising the [groups, G] view)")
+        expect_dtype(got, torch.float32, "the advantages", call_tried,
+                     "convert the rewards to float32 first (rewards.float()): bool or integer rewards cannot be averaged, "
+                     "and the loss is computed in float32")
+        if not torch.isfinite(got).all():
+            fail(call_tried, f"{_show(got, 8)} (not finite)", _show(expected, 8),
+                 "a group whose rewards are all equal has std 0: add eps to the std before dividing, so its advantages "
+                 "are 0 (that group teaches nothing) instead of 0/0 = NaN")
+        if not _close(got, expected, 1e-3):
+            hint = next((h for h, value in _advantage_mistakes(rewards, group_size).items() if _close(got, value, 1e-3)),
+                        "per group: (r - r.mean()) / (r.std() + 1e-4), the groups being rewards.view(-1, group_size)")
+            fail(call_tried, _show(got, 8), f"{_show(expected, 8)} ({_max_error(got, expected)})", hint)
+    tried = "grpo_advantages(rewards of length 10, group_size=4)"
+    try:
+        fn(torch.zeros(10), 4)
+    except ValueError:
+        pass
+    except Exception as err:  # the learner's code may raise anything
+        fail(tried, f"{type(err).__name__}: {err}", "a ValueError that names rewards and group_size",
+             "check rewards.numel() % group_size == 0 yourself and raise ValueError with a message")
+    else:
+        fail(tried, "a result", "a ValueError: 10 rewards cannot form groups of 4",
+             "check rewards.numel() % group_size == 0 and raise ValueError otherwise (view(-1, 4) raises a RuntimeError)")
+    passed("grpo_advantages", "normalised within groups of consecutive responses (sample std + eps), 0 for groups of equal "
+                              "rewards, float32 from bool/int/float rewards, ValueError on a ragged batch")
+
+
+# ----------------------------------------------------------------------------- k3_kl
+def _k3_per_token(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    log_ratio = ref_logps - logps
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def _k3_inputs(seed: int, lengths: tuple[int, ...], dtype, pad_value: float | None):
+    gen = torch.Generator().manual_seed(50 + seed)
+    width = max(max(lengths), 1)
+    logps = (-torch.rand(len(lengths), width, generator=gen, dtype=torch.float64) * 3).to(dtype)
+    ref = (logps.double() + 0.5 * torch.randn(len(lengths), width, generator=gen, dtype=torch.float64)).clamp_max(0).to(dtype)
+    mask = torch.arange(width)[None] < torch.tensor(lengths)[:, None]
+    if pad_value is not None:
+        logps = logps.masked_fill(~mask, pad_value)
+    return logps, ref, mask
+
+
+def _k3_reference(logps, ref, mask):
+    per_token = torch.where(mask, _k3_per_token(logps.double(), ref.double()), 0.0)
+    return per_token.sum(1) / mask.sum(1).clamp_min(1)
+
+
+def _k3_mistakes(logps, ref, mask) -> dict:
+    lp, rf, m = logps.double(), ref.double(), mask.double()
+    lengths = m.sum(1).clamp_min(1)
+    mean = lambda per_token: (torch.where(mask, per_token, 0.0)).sum(1) / lengths  # noqa: E731
+    return {
+        "this is k1 (log pi - log pi_ref): unbiased but negative for some samples; k3 is "
+        "exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1": mean(lp - rf),
+        "the ratio is pi_ref / pi: k3 = exp(ref_logps - logps) - (ref_logps - logps) - 1, the estimate of "
+        "KL(pi || pi_ref) from samples of pi (you wrote the other direction)": mean(torch.exp(lp - rf) - (lp - rf) - 1),
+        "this is k2, (log pi - log pi_ref)^2 / 2: biased; k3 = r - log r - 1 with r = pi_ref / pi": mean((lp - rf) ** 2 / 2),
+        "average over each response's real tokens (mask.sum(dim=1)), not over the padded length": (
+            torch.where(mask, _k3_per_token(lp, rf), 0.0)).sum(1) / lp.shape[1],
+        "the mean over the response's tokens, not the sum (labkit's kl_estimate sums; GRPO's objective averages "
+        "1/|o_i| sum_t)": torch.where(mask, _k3_per_token(lp, rf), 0.0).sum(1),
+    }
+
+
+def _k3_cases():
+    return [
+        ("3 responses of lengths 4, 2, 3, float32, padding log-probs 0", 0, (4, 2, 3), torch.float32, 0.0),
+        ("5 responses of lengths 1, 6, 6, 3, 2, float64", 1, (1, 6, 6, 3, 2), torch.float64, None),
+        ("2 responses of lengths 5, 5 (no padding), float32", 2, (5, 5), torch.float32, None),
+        ("4 responses of lengths 3, 0, 2, 4 (the second one empty), float32", 3, (3, 0, 2, 4), torch.float32, None),
+        ("3 responses of lengths 2, 4, 1, float32, padding log-probs -1e4 (a large negative fill)",
+         4, (2, 4, 1), torch.float32, -1e4),
+    ]
+
+
+def k3_kl(fn) -> None:
+    """Grade ``fn(logps, ref_logps, mask)`` -> ``[n]`` in ``logps``' dtype: per response, the mean over its real
+    tokens (``mask`` True) of ``k3 = exp(ref - logp) - (ref - logp) - 1``; 0 for a response without tokens;
+    padding positions may hold any finite number and must not change the result; differentiable in ``logps``,
+    with no gradient into the reference."""
+    for tried, seed, lengths, dtype, pad_value in _k3_cases():
+        logps, ref, mask = _k3_inputs(seed, lengths, dtype, pad_value)
+        call_tried = f"k3_kl(logps, ref_logps, mask) with {tried}"
+        expected = _k3_reference(logps, ref, mask)
+        (got,) = call_twice(fn, call_tried, (logps, ref, mask), ("the KL estimates",))
+        if got.shape != expected.shape:
+            fail(call_tried, f"shape {tuple(got.shape)}", f"shape {tuple(expected.shape)}, one estimate per response",
+                 "reduce over the token dimension only (dim=1): GRPO weights each response's KL like its advantage")
+        expect_dtype(got, dtype, "the result", call_tried, "keep logps' dtype")
+        if not torch.isfinite(got).all():
+            fail(call_tried, f"{_show(got, 8)} (not finite)", _show(expected, 8),
+                 "padding and empty responses: exp(ref - logp) can overflow at a padded position and inf * 0 is NaN, and "
+                 "an empty response divides 0 by 0; select the real tokens with torch.where(mask, k3, 0) and divide "
+                 "by mask.sum(dim=1).clamp_min(1)")
+        if not _close(got, expected, 1e-5):
+            hint = next((h for h, value in _k3_mistakes(logps, ref, mask).items() if _close(got, value, 1e-5)),
+                        "k3 = exp(ref - logp) - (ref - logp) - 1 per token, zero at padding, averaged over each "
+                        "response's real tokens")
+            fail(call_tried, _show(got, 8), f"{_show(expected, 8)} ({_max_error(got, expected)})", hint)
+    _grade_k3_gradients(fn)
+    passed("k3_kl", "exp(ref - logp) - (ref - logp) - 1 averaged over each response's real tokens, 0 for an empty one, "
+                    "padding ignored even at -1e4, gradient into logps only, fp32/fp64")
+
+
+def _grade_k3_gradients(fn) -> None:
+    logps, ref, mask = _k3_inputs(5, (3, 1, 4), torch.float32, 0.0)
+    policy, reference = logps.clone().requires_grad_(True), ref.clone().requires_grad_(True)
+    tried = ("k3_kl(logps, ref_logps, mask).sum().backward() with both logps and ref_logps requiring grad (a reference "
+             "computed without torch.no_grad())")
+    out, inputs = call_on_copies(fn, tried, policy, reference, mask, return_inputs=True)
+    (out,) = results(out, ("the KL estimates",), tried)
+    expect_differentiable(out, "the result", tried, "build it from logps with torch ops: the KL penalty is optimised")
+    out.sum().backward()
+    policy_in, reference_in = inputs[:2]
+    if reference_in.grad is not None and reference_in.grad.abs().max() > 0:
+        fail(tried, "a gradient in ref_logps.grad", "no gradient for the reference",
+             "the reference is a constant of the objective: use ref_logps.detach() inside")
+    lengths = mask.sum(1, keepdim=True).float()
+    expected = torch.where(mask, 1 - torch.exp(ref - logps), 0.0) / lengths
+    if policy_in.grad is None or not _close(policy_in.grad, expected, 1e-5):
+        fail(tried, "d / d logps = " + (_show(policy_in.grad, 8) if policy_in.grad is not None else "None"),
+             _show(expected, 8), "the gradient of the mean k3 in logp is (1 - exp(ref - logp)) / length at real tokens "
+                                 "and 0 at padding: compute k3 from logps without detaching them")
