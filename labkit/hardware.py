@@ -1035,3 +1035,137 @@ def train_epoch(model: torch.nn.Module, batches: Iterable, lr: float = 1e-2) -> 
         loss.backward()
         optimizer.step()
     return float(loss.detach())
+
+
+# ----------------------------------------------------------------------------- a slow training step to diagnose
+BOTTLENECKS = ("data", "sync", "launch", "shape", "compute")
+SYNC_OPS = ("aten::_local_scalar_dense", "aten::item")  # a value read back from the device: a GPU queue drains here
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
+LAUNCH_BOUND_OPS = 1000  # ops per step above which per-op dispatch and launch costs dominate a small model's step
+LOW_INTENSITY = 10.0  # FLOP/byte: far below any CPU's or GPU's ridge point (chapter 09, section 3)
+FIRST_CALL_REPEATS = 8  # the one-off cost of a TrainingStep's first calls, in multiples of a steady call
+
+
+class TrainingStep:
+    """One training step of an MLP, made slow for one reason (one of :data:`BOTTLENECKS`), to be diagnosed by
+    measurement: ``load_batch()`` fetches the batch ``(x, y)``, ``run(batch)`` takes the step (forward, MSE loss,
+    backward, SGD update) and returns the loss as a tensor (not read back). The first call of each pays a one-off
+    cost, as first calls do (allocation, kernel choice, compilation in a real step): the first ``run`` does its
+    forward and backward :data:`FIRST_CALL_REPEATS` more times, the first ``load_batch`` waits as many times its
+    usual wait (at least 50 ms), so that timing only the first call is wrong on every machine.
+
+    - ``"data"``: every ``load_batch()`` waits ``30..40 ms`` (a slow disk or network), longer than the step;
+    - ``"sync"``: ``run`` reads every gradient's norm back (``.item()``) to decide on clipping;
+    - ``"launch"``: a deep stack of tiny layers, thousands of small ops per step;
+    - ``"shape"``: ``d -> r -> d`` layers with ``r`` of 2 or 4: matmuls of 1 to 2 FLOP/byte, memory-bound;
+    - ``"compute"``: square 256-wide layers on a batch of 256, matmuls of about 43 FLOP/byte: the healthy step.
+
+    ``seed`` picks the sizes within each kind, so that no two variants are alike."""
+
+    def __init__(self, bottleneck: str, seed: int = 0, device=None):
+        import random
+
+        if bottleneck not in BOTTLENECKS:
+            raise ValueError(f"bottleneck={bottleneck!r}: expected one of {BOTTLENECKS}")
+        rng = random.Random(f"{bottleneck}-{seed}")
+        if bottleneck == "data":  # a small step, so that the wait dominates even on scalar kernels under load
+            widths, batch = [rng.choice((32, 64))] * rng.randint(2, 3), 32
+        elif bottleneck == "sync":
+            widths, batch = [rng.choice((128, 192, 256))] * rng.randint(3, 5), 64
+        elif bottleneck == "launch":
+            widths, batch = [rng.choice((8, 16))] * rng.randint(40, 56), 8
+        elif bottleneck == "shape":
+            d = rng.choice((512, 768))
+            widths, batch = [d, rng.choice((2, 4)), d], 512
+        else:
+            widths, batch = [256] * rng.randint(3, 4), 256
+        gen = torch.Generator().manual_seed(seed)
+        layers: list[torch.nn.Module] = []
+        for fan_in, fan_out in zip(widths[:-1], widths[1:]):
+            layers += [torch.nn.Linear(fan_in, fan_out), torch.nn.ReLU()]
+        self._net = torch.nn.Sequential(*layers[:-1]).to(device)
+        self._optimizer = torch.optim.SGD(self._net.parameters(), lr=1e-4)
+        self._x = torch.randn(batch, widths[0], generator=gen).to(device)
+        self._y = torch.randn(batch, widths[-1], generator=gen).to(device)
+        self._wait_s = rng.uniform(0.03, 0.04) if bottleneck == "data" else 0.0
+        self._sync = bottleneck == "sync"
+        self._loaded = self._ran = False
+
+    def load_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._loaded:
+            self._loaded = True
+            time.sleep(max(0.05, FIRST_CALL_REPEATS * self._wait_s))
+        if self._wait_s:
+            time.sleep(self._wait_s)
+        return self._x, self._y
+
+    def run(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        for _ in range(1 + (0 if self._ran else FIRST_CALL_REPEATS)):
+            loss = torch.nn.functional.mse_loss(self._net(x), y)
+            self._optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+        self._ran = True
+        if self._sync:
+            for p in self._net.parameters():
+                if p.grad.norm().item() > 1e3:  # the hidden sync: a GPU would wait here for every parameter
+                    p.grad.mul_(1e3 / p.grad.norm())
+        self._optimizer.step()
+        return loss.detach()
+
+
+def _matmul_cost_from_shapes(name: str, shapes: list) -> tuple[int, int]:
+    """``(flops, bytes)`` of one recorded matmul event (``aten::mm``, ``addmm``, ``bmm``) from its input shapes,
+    counted in fp32 (4 bytes per element)."""
+    a, b = (shapes[1], shapes[2]) if name == "aten::addmm" else (shapes[0], shapes[1])  # addmm: (bias, a, b, ...)
+    batch = a[0] if name == "aten::bmm" else 1
+    flops, moved = matmul_cost(a[-2], a[-1], b[-1], torch.float32)
+    return batch * flops, batch * moved
+
+
+def profiled_ops(fn: Callable, *args, **kwargs) -> list:
+    """The ops one call of ``fn(*args, **kwargs)`` runs, as the autograd profiler records them (with input shapes):
+    a list of ``FunctionEvent`` with ``.name``, ``.input_shapes``, ``.count`` and ``.self_cpu_time_total`` (µs). The
+    profiler library's start/stop lines on stderr are silenced (:func:`profile_step` does the same)."""
+    from torch.autograd.profiler import profile
+
+    if not callable(fn):
+        raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
+    with _silent_stderr(), profile(record_shapes=True) as prof:
+        fn(*args, **kwargs)
+    return list(prof.function_events)
+
+
+def diagnose_step(step, repeats: int = 5) -> dict:
+    """Time and profile one :class:`TrainingStep` (or anything with ``load_batch()`` and ``run(batch)``) and name
+    its bottleneck from the measurements, in this order: ``"data"`` if loading takes longer than the step;
+    ``"sync"`` if the step reads a value back (:data:`SYNC_OPS` in its profile); ``"launch"`` if it runs more
+    than :data:`LAUNCH_BOUND_OPS` ops; ``"shape"`` if its matmuls do fewer than :data:`LOW_INTENSITY` FLOPs per
+    byte (FLOPs and bytes summed over them, from their recorded shapes); else ``"compute"``.
+
+    Returns ``bottleneck``, ``load_s`` and ``run_s`` (medians of ``repeats`` calls after a warm-up call), and the
+    evidence: ``ops`` and ``syncs`` per step and ``matmul_intensity``."""
+    batch = step.load_batch()  # warm-up: a first call pays one-off costs
+    step.run(batch)
+    load = timeit(step.load_batch, warmup=0, cold=True, repeats=repeats, number=1)
+    run = timeit(step.run, batch, warmup=0, cold=True, repeats=repeats, number=1)
+    events = profiled_ops(step.run, batch)
+    syncs = sum(e.name in SYNC_OPS for e in events)
+    flops = moved = 0
+    for e in events:
+        if e.name in MATMUL_OPS:
+            f, b = _matmul_cost_from_shapes(e.name, e.input_shapes)
+            flops, moved = flops + f, moved + b
+    intensity = flops / moved if moved else float("inf")
+    if load.median > run.median:
+        bottleneck = "data"
+    elif syncs:
+        bottleneck = "sync"
+    elif len(events) > LAUNCH_BOUND_OPS:
+        bottleneck = "launch"
+    elif intensity < LOW_INTENSITY:
+        bottleneck = "shape"
+    else:
+        bottleneck = "compute"
+    return {"bottleneck": bottleneck, "load_s": load.median, "run_s": run.median, "ops": len(events), "syncs": syncs,
+            "matmul_intensity": intensity}

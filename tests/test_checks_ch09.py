@@ -207,3 +207,84 @@ def C_all():
     from labkit.checks import ch09_hardware as C
 
     return C.__all__
+
+
+# ----------------------------------------------------------------------------- diagnose_step
+def diagnosis(step, *, mistake=None):
+    """A learner's diagnose_step; ``mistake`` swaps in one typical error."""
+    import statistics
+    import time
+
+    from torch.autograd.profiler import profile
+
+    def median(fn, *args, calls=5):
+        samples = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            fn(*args)
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    if mistake == "cold":  # one call each, the first: the one-off costs are in it
+        start = time.perf_counter()
+        batch = step.load_batch()
+        load_s = time.perf_counter() - start
+        run_s = median(step.run, batch, calls=1)
+    else:
+        batch = step.load_batch()
+        step.run(batch)
+        load_s = median(step.load_batch)
+        run_s = median(lambda: step.run(step.load_batch())) if mistake == "together" else median(step.run, batch)
+    with profile(record_shapes=True) as prof:
+        loss = step.run(batch)
+        if mistake == "own item":
+            print(end="" if loss.item() else "")  # reads the loss inside the profiled region: not the step's sync
+    events = list(prof.function_events)
+    syncs = sum(e.name in H.SYNC_OPS for e in events)
+    flops = moved = 0
+    for e in events:
+        if e.name in ("aten::mm", "aten::addmm"):
+            a, b = (e.input_shapes[1], e.input_shapes[2]) if e.name == "aten::addmm" else e.input_shapes[:2]
+            flops += 2 * a[0] * a[1] * b[1]
+            moved += 4 * (a[0] * a[1] + a[1] * b[1] + a[0] * b[1])
+    if mistake == "time only":
+        named = "data" if load_s > run_s else "compute"
+    elif load_s > run_s:
+        named = "data"
+    elif syncs:
+        named = "sync"
+    elif len(events) > 1000:
+        named = "launch"
+    elif flops / moved < 10 and mistake != "no intensity":
+        named = "shape"
+    else:
+        named = "compute"
+    scale = 1000.0 if mistake == "milliseconds" else 1.0
+    return {"bottleneck": named, "load_s": load_s * scale, "run_s": run_s * scale}
+
+
+def test_training_step_bottlenecks_are_what_labkits_diagnosis_measures():
+    for bottleneck in H.BOTTLENECKS:
+        found = H.diagnose_step(H.TrainingStep(bottleneck, seed=3))
+        assert found["bottleneck"] == bottleneck, found
+    with pytest.raises(ValueError, match="bottleneck"):
+        H.TrainingStep("memory")
+
+
+def test_diagnose_step_accepts_labkit_and_a_plain_solution(capsys):
+    checks.diagnose_step(H.diagnose_step)
+    checks.diagnose_step(diagnosis)
+    assert capsys.readouterr().out.count("✓ diagnose_step:") == 2
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    ("cold", "warm up first"),
+    ("together", "warm up first"),  # the load inside the step's time: run_s far above the step's
+    ("milliseconds", "in seconds"),
+    ("time only", "the measurements show it"),
+    ("no intensity", "FLOP/byte"),
+    ("own item", "'sync'"),
+])
+def test_diagnose_step_rejects_typical_mistakes(mistake, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks.diagnose_step(lambda step: diagnosis(step, mistake=mistake))

@@ -44,6 +44,7 @@ DELEGATES: dict[str, tuple[str, ...]] = {
     "matmul_cost": ("labkit.hardware.matmul_cost",),
     "add_cost": ("labkit.hardware.add_cost",),
     "roofline_time": ("labkit.hardware.roofline_time",),
+    "diagnose_step": ("labkit.hardware.diagnose_step",),
     "softmax_rows": ("labkit.hardware.softmax_rows", "torch.softmax", "torch.Tensor.softmax", "torch.nn.functional.softmax",
                      "torch.special.softmax"),
     "sequence_logprobs": ("labkit.preference.sequence_logprobs",),

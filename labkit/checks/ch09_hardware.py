@@ -6,7 +6,10 @@
 * ``roofline_time(flops, bytes_moved, peak_flops, bandwidth) -> seconds``: :func:`labkit.hardware.roofline_time`;
 * ``softmax_rows(x) -> y``: :func:`labkit.hardware.softmax_rows`, the fix of the slow per-row loop
   :func:`labkit.hardware.softmax_rows_loop`, which must also be at least :data:`REQUIRED_SPEEDUP`
-  times faster than that loop *on this machine* (medians of repeated timings, re-measured before failing).
+  times faster than that loop *on this machine* (medians of repeated timings, re-measured before failing);
+* ``diagnose_step(step) -> {"bottleneck", "load_s", "run_s", ...}``: :func:`labkit.hardware.diagnose_step` on
+  hidden :class:`labkit.hardware.TrainingStep` variants, one per bottleneck, in a hidden order: the times must be
+  the steady-state medians (the first calls pay a one-off cost) and the bottleneck the one the step was built with.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import torch
 from labkit import hardware as H
 from labkit.checks._core import assert_close, call, call_on_copies, expect_device, expect_dtype, fail, other_device, passed
 
-__all__ = ["matmul_cost", "add_cost", "roofline_time", "softmax_rows"]
+__all__ = ["matmul_cost", "add_cost", "roofline_time", "softmax_rows", "diagnose_step"]
 
 REQUIRED_SPEEDUP = 10.0
 SPEED_SHAPE = (2000, 64)
@@ -246,3 +249,87 @@ def softmax_rows(fn) -> None:
              "rows at once with dim=-1 reductions (x.amax(dim=-1, keepdim=True), .exp(), .sum(dim=-1, keepdim=True))")
     passed("softmax_rows", f"right on {len(_softmax_cases())} inputs (fp32/bf16/fp16, values near ±1000) and at least "
                            f"{REQUIRED_SPEEDUP:g}x faster than the per-row loop on this machine")
+
+
+# ----------------------------------------------------------------------------- diagnose_step
+DIAGNOSIS_SEEDS = (11, 12, 13, 14, 15)  # one hidden variant per bottleneck: sizes, depths and waits differ by seed
+TIME_FACTOR, TIME_SLACK_S = 4.0, 2e-3  # a median must lie within 4x (+- 2 ms) of the grader's, timed before and after
+
+_WHY = {
+    "data": "loading the batch took longer than the step itself: time load_batch() and run(batch) separately; when "
+            "the load's median exceeds the step's, the step waits for data (the fix: a prefetcher, more workers)",
+    "sync": "the step reads values back from the device: profile run(batch) and count aten::_local_scalar_dense / "
+            "aten::item events (an .item(), float(t), or `if t > x` inside the step); on a GPU each one drains the queue",
+    "launch": f"the step runs thousands of tiny ops: count the profiled events of one run(batch) (more than "
+              f"{H.LAUNCH_BOUND_OPS} here), each costing microseconds of dispatch whatever its size",
+    "shape": f"its matmuls are skinny: from the profiled shapes of aten::mm/addmm, their FLOPs over their bytes is "
+             f"below {H.LOW_INTENSITY:g} FLOP/byte, far below the ridge point: memory-bound however fast the cores",
+    "compute": f"nothing stalls it: load is faster than the step, no syncs, fewer than {H.LAUNCH_BOUND_OPS} ops, and "
+               f"matmuls above {H.LOW_INTENSITY:g} FLOP/byte: the step is bound by arithmetic, the healthy case",
+}
+
+
+def _diagnose_here(fn, bottleneck: str, seed: int):
+    """Build the hidden step where ``fn`` runs and diagnose it with ``fn``; time a twin of it (same seed) the grader's
+    way just before and just after, so that a burst of load from other programs widens the accepted range instead
+    of failing a right answer: ``(fn's result, (load medians), (run medians))``."""
+    twin = H.TrainingStep(bottleneck, seed)
+    batch = twin.load_batch()
+    twin.run(batch)  # the twin pays its first-call costs here, untimed
+
+    def medians():
+        return (H.timeit(twin.load_batch, warmup=0, cold=True, repeats=5, number=1).median,
+                H.timeit(twin.run, batch, warmup=0, cold=True, repeats=5, number=1).median)
+
+    before = medians()
+    result = fn(H.TrainingStep(bottleneck, seed))
+    after = medians()
+    return result, (before[0], after[0]), (before[1], after[1])
+
+
+def _check_time(got, references: tuple[float, float], name: str, tried: str) -> None:
+    if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isfinite(got):
+        fail(tried, f"{name} = {got!r}", f"{name} in seconds, a finite float", "return the median in seconds (a Python float)")
+    low, high = min(references) / TIME_FACTOR - TIME_SLACK_S, max(references) * TIME_FACTOR + TIME_SLACK_S
+    if not low <= got <= high:
+        if got > high and min(references) / TIME_FACTOR <= got / 1000 <= max(references) * TIME_FACTOR:
+            fail(tried, f"{name} = {got!r}", f"about {H.format_seconds(got / 1000)}: a time in seconds",
+                 "return seconds (time.perf_counter() differences as they are), not milliseconds")
+        fail(tried, f"{name} = {H.format_seconds(got)}",
+             f"between {H.format_seconds(max(low, 0))} and {H.format_seconds(high)} (the grader's medians of 5 calls "
+             f"after a warm-up were {' and '.join(H.format_seconds(r) for r in references)})",
+             f"warm up first: the first load_batch() and the first run() each pay a one-off cost ({H.FIRST_CALL_REPEATS} "
+             "times a normal call here; compilation and allocation in a real step); then take the median of several "
+             "calls, and time load_batch() and run(batch) separately" if got > high else
+             "time the whole call (a median of several), in seconds, not one part of it or a per-element figure")
+
+
+def diagnose_step(fn) -> None:
+    """Grade ``fn(step) -> dict``: ``step`` has ``load_batch()`` and ``run(batch)``; the dict holds ``"bottleneck"``
+    (one of ``labkit.hardware.BOTTLENECKS``) and ``"load_s"``, ``"run_s"`` (steady-state medians in seconds).
+    Graded on one hidden :class:`labkit.hardware.TrainingStep` per bottleneck, in a hidden order."""
+    from labkit.checks._remote import apply
+
+    order = random.Random(9).sample(H.BOTTLENECKS, len(H.BOTTLENECKS))
+    for number, (bottleneck, seed) in enumerate(zip(order, DIAGNOSIS_SEEDS), 1):
+        tried = f"diagnose_step(step) on hidden training step {number} of {len(order)}"
+        result, load_s, run_s = call(lambda: apply(_diagnose_here, fn, bottleneck, seed), tried)
+        if not isinstance(result, dict):
+            fail(tried, "None" if result is None else f"a {type(result).__name__}",
+                 'a dict with "bottleneck", "load_s" and "run_s"',
+                 "did you forget `return`?" if result is None else 'return {"bottleneck": ..., "load_s": ..., "run_s": ...}')
+        missing = [key for key in ("bottleneck", "load_s", "run_s") if key not in result]
+        if missing:
+            fail(tried, f"a dict with keys {sorted(map(str, result))}", f"the keys {missing} too",
+                 'return {"bottleneck": ..., "load_s": ..., "run_s": ...}')
+        _check_time(result["load_s"], load_s, "load_s", tried)
+        _check_time(result["run_s"], run_s, "run_s", tried)
+        named = result["bottleneck"]
+        if named not in H.BOTTLENECKS:
+            fail(tried, f"bottleneck = {named!r}", f"one of {H.BOTTLENECKS}", "name it with one of these words")
+        if named != bottleneck:
+            fail(tried, f"bottleneck = {named!r} (load {H.format_seconds(load_s[1])}, step {H.format_seconds(run_s[1])})",
+                 repr(bottleneck), f"the measurements show it: {_WHY[bottleneck]}. Check the criteria in the order "
+                                   f"{', '.join(H.BOTTLENECKS)}: the first that holds is the bottleneck")
+    passed("diagnose_step", f"the right bottleneck and steady-state load and step times for {len(order)} hidden steps "
+                            f"({', '.join(H.BOTTLENECKS)})")
