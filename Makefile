@@ -39,7 +39,7 @@ GRADES        ?= grades.csv
 GRADE_TIMEOUT ?= 600
 GRADE_JOBS    ?= 2
 
-.PHONY: lab test test-student test-grade test-portable test-browser unit notebooks spread student grade clean-venv
+.PHONY: lab test test-student test-grade test-portable test-browser test-gpu unit notebooks spread student grade clean-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -105,6 +105,13 @@ test-browser: $(VENV)/.installed-browser
 		LABKIT_CLAIMS_LOG=$(CURDIR)/build/claims-browser.jsonl \
 		$(BIN)/python -m pytest -p no:cacheprovider -n $(BROWSER_JOBS) tests/browser $(PYTEST_ARGS); \
 		$(call report_margins,build/claims-browser.jsonl)
+
+## On a CUDA machine: the kernel tests compiled, every chapter on CUDA (nbval-lax), the benchmark table (tools/gpu_run.sh,
+## results in build/gpu-run/). Without CUDA it says so and does nothing (make test runs the script's dry run).
+test-gpu: $(VENV)/.installed-test
+	@if $(BIN)/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+		PYTHON=$(BIN)/python tools/gpu_run.sh build/gpu-run; \
+	else echo "test-gpu: skipped: no CUDA device here (tools/gpu_run.sh OUT_DIR --dry-run runs the script without one)"; fi
 
 ## Measure how far each chapter's asserted numbers move across instruction sets, thread counts, load (the
 ## scalar path beside two busy processes) and, for the chapters with training claims, seeds (LABKIT_SEED=1..7);
