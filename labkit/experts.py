@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 from torch import nn
@@ -91,15 +92,25 @@ def softmax_gating(logits: torch.Tensor) -> torch.Tensor:
 
 
 def top_k_gating(logits: torch.Tensor, top_k: int, normalize: bool = True, score: str = "softmax",
-                 bias: torch.Tensor | None = None) -> Routing:
+                 bias: torch.Tensor | None = None, *, groups: int = 1, top_groups: int | None = None,
+                 scale: float = 1.0) -> Routing:
     """Top-``k`` routing from router ``logits`` ``[T, E]``.
 
     ``scores = softmax(logits)`` (or ``sigmoid``, DeepSeek-V3's affinities); each token's experts
     are the ``top_k`` largest ``scores + bias`` (``bias`` ``[E]``, auxiliary-loss-free balancing:
     it changes *which* experts are chosen, never the gate values); the gates are the chosen
-    experts' scores, renormalised to sum to 1 if ``normalize`` (Mixtral, Qwen3, DeepSeek-V3:
-    ``softmax`` over the top-``k`` logits) or left as they are (Switch, GShard-style, where a
-    token's output shrinks when the router is unsure).
+    experts' scores, renormalised to sum to 1 if ``normalize`` or left as they are (Switch's
+    top-1, where a token's output shrinks when the router is unsure).
+
+    ``normalize`` with softmax scores is Mixtral's and Qwen3's router (a softmax over the
+    top-``k`` logits) and GShard's top-2 (both gates divided by their sum).
+
+    **Group-limited routing** (DeepSeek-V2/V3, ``groups > 1``): the experts are split into ``groups``
+    consecutive groups (one per node); a group's score is the sum of its ``top_k // top_groups``
+    best selection scores, and each token chooses its ``top_k`` experts only within its ``top_groups``
+    best groups, so it is sent to at most ``top_groups`` nodes. ``scale`` multiplies the gates after
+    renormalising (V3's ``routed_scaling_factor``). DeepSeek-V3's router is ``score="sigmoid"``,
+    ``groups=8``, ``top_groups=4``, ``scale=2.5`` with ``top_k=8`` of 256 experts.
     """
     _check_logits(logits)
     num_experts = logits.shape[-1]
@@ -115,11 +126,35 @@ def top_k_gating(logits: torch.Tensor, top_k: int, normalize: bool = True, score
         if not isinstance(bias, torch.Tensor) or bias.shape != (num_experts,):
             raise ValueError(f"bias: expected a tensor of shape ({num_experts},), one per expert, got {getattr(bias, 'shape', bias)!r}")
         select = scores.detach() + bias.detach().float()
+    if groups != 1 or top_groups is not None:
+        select = _within_best_groups(select, top_k, groups, top_groups)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+        raise ValueError(f"scale={scale!r}: expected a positive finite number")
     expert_index = torch.topk(select, top_k, dim=-1).indices
     gates = scores.gather(-1, expert_index)
     if normalize:
         gates = gates / gates.sum(dim=-1, keepdim=True)
-    return Routing(logits, scores, probs, expert_index, gates)
+    return Routing(logits, scores, probs, expert_index, gates * scale if scale != 1 else gates)
+
+
+def _within_best_groups(select: torch.Tensor, top_k: int, groups: int, top_groups: int | None) -> torch.Tensor:
+    """``select`` with every expert outside each token's ``top_groups`` best groups set to ``-inf``."""
+    num_tokens, num_experts = select.shape
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or num_experts % groups:
+        raise ValueError(f"groups={groups!r}: expected a positive integer that divides the number of experts ({num_experts})")
+    per_group = num_experts // groups
+    if top_groups is None:
+        top_groups = groups
+    if isinstance(top_groups, bool) or not isinstance(top_groups, int) or not 1 <= top_groups <= groups:
+        raise ValueError(f"top_groups={top_groups!r}: expected an integer from 1 to groups={groups}")
+    if top_k > top_groups * per_group:
+        raise ValueError(f"top_k={top_k}: more than the {top_groups * per_group} experts of the top_groups={top_groups} "
+                         f"groups a token may use")
+    by_group = select.detach().view(num_tokens, groups, per_group)
+    group_score = by_group.topk(min(per_group, max(1, top_k // top_groups)), dim=-1).values.sum(-1)
+    best = torch.zeros(num_tokens, groups, dtype=torch.bool, device=select.device)
+    best.scatter_(1, group_score.topk(top_groups, dim=-1).indices, True)
+    return select.masked_fill(~best.repeat_interleave(per_group, dim=1), -math.inf)
 
 
 def switch_gating(logits: torch.Tensor) -> Routing:
@@ -262,10 +297,17 @@ class Dispatch:
 def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float | None) -> int | None:
     """Slots per expert: ``ceil(capacity_factor * num_tokens * top_k / num_experts)`` (GShard,
     Switch); ``None`` (dropless) when ``capacity_factor`` is ``None``. ``capacity_factor = 1``
-    is exactly enough if the routing is perfectly balanced."""
+    is exactly enough if the routing is perfectly balanced.
+
+    Computed exactly, with the factor as written (``1.1`` is 11/10): in floats ``1.1 * 100 * 1 / 10``
+    is 11.000000000000002, whose ceil would give 12 slots instead of 11."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_tokens={num_tokens!r}: expected a non-negative integer")
+    _check_positive_ints(num_experts=num_experts, top_k=top_k)
+    _check_capacity_factor(capacity_factor)
     if capacity_factor is None:
         return None
-    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+    return math.ceil(Fraction(str(capacity_factor)) * num_tokens * top_k / num_experts)
 
 
 def dispatch(routing: Routing, capacity: int | None = None, priority: str = "gate") -> Dispatch:
@@ -604,13 +646,17 @@ def _check_positive_ints(**values) -> None:
             raise ValueError(f"{name}={value!r}: expected a positive integer")
 
 
+def _check_capacity_factor(capacity_factor) -> None:
+    if capacity_factor is not None and (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float))
+                                        or not 0 < capacity_factor < math.inf):
+        raise ValueError(f"capacity_factor={capacity_factor!r}: expected a positive finite number, or None for dropless routing")
+
+
 def _check_layer_args(num_experts, top_k, capacity_factor, num_shared_experts, score, priority,
                       aux_loss_weight, z_loss_weight, bias_update_rate) -> None:
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k!r}: expected an integer from 1 to num_experts={num_experts}")
-    if capacity_factor is not None and (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float))
-                                        or not capacity_factor > 0):
-        raise ValueError(f"capacity_factor={capacity_factor!r}: expected a positive number, or None for dropless routing")
+    _check_capacity_factor(capacity_factor)
     if isinstance(num_shared_experts, bool) or not isinstance(num_shared_experts, int) or num_shared_experts < 0:
         raise ValueError(f"num_shared_experts={num_shared_experts!r}: expected a non-negative integer")
     if score not in SCORE_FUNCTIONS:

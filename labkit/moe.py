@@ -74,7 +74,8 @@ PUBLISHED_PARAMETERS = {
 def deepseek_v3_moe_layer(device="meta", **overrides) -> MoELayer:
     """One of DeepSeek-V3's MoE FFNs as a :class:`MoELayer` (on ``meta`` by default: nothing is
     allocated): 256 routed experts of 2048 and 1 shared, top-8 of sigmoid scores, renormalised,
-    balanced by the per-expert bias. ``overrides``: fields of :data:`labkit.quant.DEEPSEEK_V3`."""
+    balanced by the per-expert bias (V3's group-limited choice and its route scale of 2.5 are not
+    modelled: they change no parameter count). ``overrides``: fields of :data:`labkit.quant.DEEPSEEK_V3`."""
     c = {**DEEPSEEK_V3, **overrides}
     return MoELayer(c["hidden_size"], c["moe_intermediate_size"], c["n_routed_experts"], c["num_experts_per_tok"],
                     num_shared_experts=c["n_shared_experts"], score="sigmoid", aux_loss_weight=0.0,

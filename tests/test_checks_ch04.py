@@ -211,3 +211,95 @@ def test_dispatch_with_capacity_rejects_mutation_and_wrong_types():
         checks.dispatch_with_capacity(lambda *a: (capacity_block(*a)[0], capacity_block(*a)[1].long()))
     with pytest.raises(CheckFailed, match="dtype"):
         checks.dispatch_with_capacity(lambda *a: (capacity_block(*a)[0].float(), capacity_block(*a)[1]))
+
+
+# ----------------------------------------------------------------------------- sort_dispatch
+def sorted_dispatch(x, expert_ids, gates, experts, *, unpermute="inverse", gate_before=False, first_only=False,
+                    token_of="div", stable=True, cast=True, detach_gates=False, gates_sorted=False):
+    """A learner's one-sort solution; the keyword arguments swap in one mistake at a time."""
+    T, k = expert_ids.shape
+    if first_only:  # only each token's first choice
+        expert_ids, gates, k = expert_ids[:, :1], gates[:, :1], 1
+    if detach_gates:
+        gates = gates.detach()
+    flat = expert_ids.reshape(-1)
+    order = torch.argsort(flat, stable=stable)
+    rows = x[order // k] if token_of == "div" else x.repeat(k, 1)[order]
+    if gate_before:
+        rows = rows * gates.reshape(-1)[order, None].to(x.dtype)
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    ys = torch.cat([expert(part) for expert, part in zip(experts, rows.split(counts))])
+    if gates_sorted:
+        ys = ys * gates.reshape(-1)[:, None]
+    if unpermute == "inverse":
+        ys = ys[torch.argsort(order)]
+    elif unpermute == "permutation":
+        ys = ys[order]
+    weighted = ys.view(T, k, -1) if gate_before or gates_sorted else ys.view(T, k, -1) * gates[..., None]
+    out = weighted.sum(1)
+    return out.to(x.dtype) if cast else out
+
+
+def scatter_back(x, expert_ids, gates, experts):
+    """Right too: write the sorted rows back with out[order] = rows instead of indexing with the inverse."""
+    T, k = expert_ids.shape
+    flat = expert_ids.reshape(-1)
+    order = torch.argsort(flat)
+    ys = torch.cat([e(part) for e, part in zip(experts, x[order // k].split(torch.bincount(flat, minlength=len(experts)).tolist()))])
+    back = torch.zeros_like(ys).index_copy(0, order, ys)
+    return (back.view(T, k, -1) * gates[..., None]).sum(1).to(x.dtype)
+
+
+def token_loop(x, expert_ids, gates, experts):
+    return torch.stack([sum(gates[t, j] * experts[int(expert_ids[t, j])](x[t : t + 1])[0] for j in range(expert_ids.shape[1]))
+                        for t in range(x.shape[0])]).to(x.dtype)
+
+
+def test_sort_dispatch_accepts_one_sort_unstable_or_not_and_a_scatter_back(capsys):
+    checks.sort_dispatch(sorted_dispatch)
+    checks.sort_dispatch(lambda *a: sorted_dispatch(*a, stable=False))
+    checks.sort_dispatch(scatter_back)
+    assert capsys.readouterr().out.count("✓ sort_dispatch:") == 3
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    (dict(unpermute="none"), "unpermute them"),
+    (dict(unpermute="permutation"), "its INVERSE"),
+    (dict(gate_before=True), "scales the expert's OUTPUT"),
+    (dict(first_only=True), "not only the first column"),
+    (dict(token_of="mod"), "token a // k"),
+    (dict(gates_sorted=True), "gates are in token order"),
+    (dict(cast=False), "x's dtype"),
+    (dict(detach_gates=True), "gates"),
+])
+def test_sort_dispatch_rejects_typical_mistakes(mistake, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks.sort_dispatch(lambda *a: sorted_dispatch(*a, **mistake))
+
+
+def test_sort_dispatch_rejects_a_loop_over_tokens_mutation_and_labkit():
+    with pytest.raises(CheckFailed, match="a loop over tokens calls every expert once per token"):
+        checks.sort_dispatch(token_loop)
+
+    def in_place(x, expert_ids, gates, experts):
+        out = sorted_dispatch(x, expert_ids, gates, experts)
+        with torch.no_grad():
+            gates.mul_(2)
+        return out
+
+    with pytest.raises(CheckFailed, match="modified"):
+        checks.sort_dispatch(in_place)
+    with pytest.raises(CheckFailed, match="return"):
+        checks.sort_dispatch(lambda *a: None)
+
+    def via_labkit(x, expert_ids, gates, experts):
+        T, k = expert_ids.shape
+        zeros = torch.zeros(T, len(experts))
+        plan = X.dispatch(X.Routing(zeros, zeros, zeros, expert_ids, gates.float()))
+        ys = torch.cat([e(part) for e, part in zip(experts, x[plan.token].split(plan.group_sizes.tolist()))])
+        return X.combine(ys, plan).to(x.dtype)
+
+    import labkit.checks
+
+    with pytest.raises(labkit.checks.DelegationRefused, match="labkit.experts.dispatch"):
+        labkit.checks.sort_dispatch(via_labkit)

@@ -179,6 +179,20 @@ def test_expert_capacity():
     assert expert_capacity(1024, 8, 2, 1.0) == 256
     assert expert_capacity(1000, 8, 2, 1.25) == math.ceil(1.25 * 2000 / 8)
     assert expert_capacity(7, 8, 1, None) is None
+    # exact: 1.1 * 100 * 1 / 10 is 11.000000000000002 in floats, whose ceil is 12
+    assert expert_capacity(100, 10, 1, 1.1) == 11
+    assert expert_capacity(300, 100, 1, 1.1) == 4 and expert_capacity(30, 10, 1, 0.7) == 3  # 3.3 -> 4; 2.1 -> 3
+
+
+@pytest.mark.parametrize("args, name", [((100, 10, 1, -1.0), "capacity_factor"), ((100, 10, 1, 0.0), "capacity_factor"),
+                                        ((100, 10, 1, float("inf")), "capacity_factor"), ((100, 0, 1, 1.0), "num_experts"),
+                                        ((100, 10, 0, 1.0), "top_k"), ((-1, 10, 1, 1.0), "num_tokens")])
+def test_expert_capacity_rejects_what_the_layer_rejects(args, name):
+    with pytest.raises(ValueError, match=name):
+        expert_capacity(*args)
+    if name == "capacity_factor":
+        with pytest.raises(ValueError, match=name):
+            MoELayer(8, 8, 4, 1, capacity_factor=args[3])
 
 
 # ----------------------------------------------------------------------------- the layer vs a per-token loop
@@ -489,3 +503,42 @@ def test_routing_explorer_names_bad_arguments(kwargs, words):
     args.update(kwargs)
     with pytest.raises(ValueError, match=words):
         moe.routing_explorer(**args)
+
+
+def deepseek_v3_gate(logits, bias, top_k, groups, top_groups, scale):
+    """DeepSeek-V3's MoEGate (modeling_deepseek.py, noaux_tc), transcribed token by token in Python."""
+    chosen, weights = [], []
+    for row in logits.double().tolist():
+        scores = [1 / (1 + math.exp(-v)) for v in row]
+        select = [s + b for s, b in zip(scores, bias.tolist())]
+        size = len(row) // groups
+        group_score = [sum(sorted(select[g * size:(g + 1) * size], reverse=True)[: top_k // top_groups]) for g in range(groups)]
+        best = sorted(range(groups), key=lambda g: -group_score[g])[:top_groups]
+        allowed = [e for e in range(len(row)) if e // size in best]
+        experts = sorted(allowed, key=lambda e: -select[e])[:top_k]
+        total = sum(scores[e] for e in experts)
+        chosen.append(sorted(experts))
+        weights.append({e: scores[e] / total * scale for e in experts})
+    return chosen, weights
+
+
+def test_group_limited_routing_is_deepseek_v3s_gate():
+    gen = torch.Generator().manual_seed(3)
+    logits, bias = torch.randn(64, 32, generator=gen), torch.randn(32, generator=gen) * 0.1
+    r = top_k_gating(logits, 4, score="sigmoid", bias=bias, groups=4, top_groups=2, scale=2.5)
+    chosen, weights = deepseek_v3_gate(logits, bias, 4, 4, 2, 2.5)
+    assert r.expert_index.sort(-1).values.tolist() == chosen
+    for t in range(64):
+        for e, g in zip(r.expert_index[t].tolist(), r.gates[t].tolist()):
+            assert g == pytest.approx(weights[t][e], rel=1e-5)
+    assert all(len(set((row // 8).tolist())) <= 2 for row in r.expert_index)
+    # one group and no scale: plain top-k
+    assert torch.equal(top_k_gating(logits, 4, groups=1).expert_index, top_k_gating(logits, 4).expert_index)
+
+
+@pytest.mark.parametrize("kwargs, name", [(dict(groups=5), "groups"), (dict(groups=4, top_groups=5), "top_groups"),
+                                          (dict(groups=8, top_groups=1), "top_k"), (dict(scale=0.0), "scale"),
+                                          (dict(scale=float("nan")), "scale")])
+def test_group_limited_routing_rejects_bad_arguments(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        top_k_gating(torch.randn(3, 32), 6, **kwargs)

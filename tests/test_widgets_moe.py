@@ -36,10 +36,13 @@ def test_plot_draws_loads_capacity_gates_and_the_balancing_curve():
 def test_plot_without_capacity_or_balancing():
     data = moe.routing_explorer(4, 1, None, 0.0, 0.0)
     fig = W.plot_routing(data)
-    ax_load, _, ax_aux = fig.axes[:3]
+    ax_load, ax_gates = fig.axes[:2]
     assert not ax_load.lines  # dropless: no capacity line
-    assert not ax_aux.axison and "balancing off" in ax_aux.texts[0].get_text()
+    assert len(ax_load.patches) == 2 * 4  # kept and dropped only: no "before balancing" when nothing balanced
+    assert "before balancing" not in [t.get_text() for t in ax_load.get_legend().get_texts()]
+    assert len(fig.axes) == 3 and ax_gates.images  # loads, gates and the gates' colourbar: no empty third panel
     assert sum(b.get_height() for b in ax_load.patches[4:8]) == 0  # nothing dropped
+    assert list(ax_load.get_xticks()) == [0, 1, 2, 3]  # one tick per expert
 
 
 def test_plot_rejects_other_data():

@@ -6,7 +6,10 @@
   (the Switch Transformer auxiliary loss);
 * ``dispatch_with_capacity(x, expert_index, gates, capacity, weight) -> (out, kept)``: an MoE *block*
   with a per-expert capacity, residual included (:func:`labkit.experts.dispatch` with ``priority="gate"``
-  and :func:`labkit.experts.combine`, experts reduced to one matrix each, ``x @ weight[e].T``).
+  and :func:`labkit.experts.combine`, experts reduced to one matrix each, ``x @ weight[e].T``);
+* ``sort_dispatch(x, expert_ids, gates, experts) -> out``: the permute -> compute -> unpermute path of
+  :class:`labkit.experts.MoELayer` (:func:`labkit.experts.dispatch` and :func:`labkit.experts.combine`)
+  for any experts (callables), against a loop over tokens, forward and gradients.
 
 Each grader passes copies of its inputs (and fails if they come back changed), calls the learner's
 function twice, checks types, dtypes and shapes, and compares with labkit. Where the right answer
@@ -18,11 +21,12 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 
 from labkit import experts as X
-from labkit.checks._core import call_on_copies, call_twice, expect_differentiable, fail, passed
+from labkit.checks._core import call_on_copies, call_twice, expect_differentiable, fail, passed, results, same_values
 
-__all__ = ["top_k_routing", "load_balancing_loss", "dispatch_with_capacity"]
+__all__ = ["top_k_routing", "load_balancing_loss", "dispatch_with_capacity", "sort_dispatch"]
 
 
 def _shape_dtype(value: torch.Tensor, name: str, dtype: torch.dtype, shape, tried: str, hint: str) -> None:
@@ -308,3 +312,198 @@ def dispatch_with_capacity(fn) -> None:
         count += 1
     passed("dispatch_with_capacity", f"kept slots and block outputs right on {count} inputs: top-1 to top-3, capacity 0 "
                                      "to dropless, largest gates first (ties either way), residual for dropped tokens")
+
+
+# ----------------------------------------------------------------------------- sort_dispatch
+class GradedExpert(nn.Module):
+    """The experts :func:`sort_dispatch` hands the learner's function: ``silu(x W1^T + b1) W2^T + b2`` on rows
+    ``[n, d] -> [n, d]``. Nonlinear with a bias, so ``f(g x) != g f(x)`` and ``f(0) != 0`` (a gate applied before
+    the expert, or a dropped row left at zero, shows). Counts its calls and the rows it was given (plain
+    attributes, so they come back from ``labkit.grade``'s learner process too)."""
+
+    def __init__(self, d: int, hidden: int, gen: torch.Generator, dtype: torch.dtype):
+        super().__init__()
+
+        def weight(*shape, scale):
+            return nn.Parameter((torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype))
+
+        self.w1, self.b1 = weight(hidden, d, scale=d ** -0.5), weight(hidden, scale=0.5)
+        self.w2, self.b2 = weight(d, hidden, scale=hidden ** -0.5), weight(d, scale=0.5)
+        self.calls = 0
+        self.rows = 0
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.rows += int(rows.shape[0])
+        return nn.functional.silu(rows @ self.w1.T + self.b1) @ self.w2.T + self.b2
+
+
+def _sort_dispatch_cases():
+    """(what, T, d, E, k, dtype, ids): ``ids`` the expert ids ``[T, k]``, or the experts each token draws its ``k``
+    distinct experts from at random."""
+    ties = torch.stack([torch.full((10,), 2), torch.tensor([0, 1, 0, 1, 1, 0, 0, 1, 0, 1])], dim=1)  # all first choices to expert 2
+    return [
+        ("T=12 tokens of d=8, 4 experts, top_k=1, float32", 12, 8, 4, 1, torch.float32, range(4)),
+        ("T=16, d=6, 5 experts, top_k=2, float32", 16, 6, 5, 2, torch.float32, range(5)),
+        ("T=9, d=4, 6 experts, top_k=3, float64, experts 1 and 4 receive no tokens", 9, 4, 6, 3, torch.float64,
+         (0, 2, 3, 5)),
+        ("T=10, d=4, 3 experts, top_k=2, float32, every token's first choice is expert 2 (ties in the ids)", 10, 4, 3, 2,
+         torch.float32, ties),
+        ("T=1, d=5, 4 experts, top_k=2, float32 (one token)", 1, 5, 4, 2, torch.float32, range(4)),
+        ("T=7, d=8, 4 experts, top_k=4 (every expert), float64", 7, 8, 4, 4, torch.float64, range(4)),
+        ("T=6, d=4, 1 expert, top_k=1, float32", 6, 4, 1, 1, torch.float32, range(1)),
+        ("T=13, d=8, 3 experts, top_k=2, bfloat16 x and experts, float32 gates (as a router gives them)", 13, 8, 3, 2,
+         torch.bfloat16, range(3)),
+    ]
+
+
+def _loop_reference(x, expert_ids, gates, experts):
+    """The per-token loop, in fp64: out[t] = sum_j gates[t, j] * experts[expert_ids[t, j]](x[t])."""
+    rows = []
+    for t in range(x.shape[0]):
+        rows.append(sum(gates[t, j] * experts[int(expert_ids[t, j])](x[t : t + 1])[0] for j in range(expert_ids.shape[1])))
+    return torch.stack(rows)
+
+
+def _sort_dispatch_mistake(got, x, expert_ids, gates, experts, expected, tol) -> str | None:
+    """The hint for a known mistake that reproduces ``got``, or None."""
+    T, k = expert_ids.shape
+    d = x.shape[1]
+    with torch.no_grad():
+        flat = expert_ids.reshape(-1)
+        y = torch.stack([experts[int(flat[a])](x[a // k : a // k + 1])[0] for a in range(T * k)])  # per assignment a = t * k + j
+        order = torch.argsort(flat, stable=True)
+        inverse = torch.argsort(order)
+        g = gates.double()
+        wrong_token = torch.stack([experts[int(flat[a])](x[a % T : a % T + 1])[0] for a in range(T * k)])
+        candidates = [
+            ((y[order].view(T, k, d) * g[..., None]).sum(1),
+             "the expert outputs come back in sorted order: unpermute them (rows[inverse], inverse = the inverse of the "
+             "sorting permutation) before combining, so that row t * k + j is token t's choice j again"),
+            ((y[order][order].view(T, k, d) * g[..., None]).sum(1),
+             "you unpermuted with the sorting permutation itself: sorted row r came from assignment order[r], so the "
+             "way back is its INVERSE, inverse[order] = arange(T * k) (torch.argsort(order), or "
+             "torch.empty_like(order).scatter_(0, order, torch.arange(...))), or write the rows back with out[order] = rows"),
+            (sum(torch.stack([experts[int(expert_ids[t, j])](g[t, j] * x[t : t + 1])[0] for t in range(T)])
+                 for j in range(k)),
+             "the gate scales the expert's OUTPUT, not its input: an expert is nonlinear (and has a bias), so "
+             "expert(g * x) != g * expert(x); multiply after the experts ran, when combining"),
+            (g[:, :1] * y.view(T, k, d)[:, 0],
+             "every token has top_k choices: sum gates[t, j] * output over all j, not only the first column"),
+            (y.view(T, k, d).sum(1), "weight each expert output by its gate before summing a token's choices"),
+            (((y[order] * g.reshape(-1)[:, None])[inverse]).view(T, k, d).sum(1),
+             "the gates are in token order: apply gates.reshape(-1) to the rows after unpermuting them (or permute the "
+             "gates with the same order as the rows), not to the sorted rows"),
+            ((wrong_token[order][inverse].view(T, k, d) * g[..., None]).sum(1) if k > 1 else None,
+             "assignment a = t * k + j (expert_ids.reshape(-1) is row-major) belongs to token a // k: take "
+             "x[order // k] (or x.repeat_interleave(k, 0)), not x.repeat(k, 1), whose row a is token a % T"),
+        ]
+    for candidate, hint in candidates:
+        if candidate is None or torch.allclose(candidate, expected, **tol):
+            continue
+        if torch.allclose(got, candidate, **tol):
+            return hint
+    return None
+
+
+def sort_dispatch(fn) -> None:
+    """Grade ``fn(x, expert_ids, gates, experts) -> out``: ``x`` ``[T, d]``, ``expert_ids`` ``[T, k]`` int64
+    (distinct experts per token), ``gates`` ``[T, k]``, ``experts`` a list of ``E`` callables mapping rows
+    ``[n, d]`` to ``[n, d]``; ``out[t] = sum_j gates[t, j] * experts[expert_ids[t, j]](x[t])`` ``[T, d]`` in
+    ``x``'s dtype, computed by one sort of the assignments by expert, one call per expert on its contiguous
+    slice, and the inverse permutation back. Compared with a loop over tokens, forward and gradients (with
+    respect to ``x``, ``gates`` and every expert's weights)."""
+    import copy
+
+    gen = torch.Generator().manual_seed(7)
+    count = 0
+    for what, T, d, E, k, dtype, ids in _sort_dispatch_cases():
+        tried = f"sort_dispatch({what})"
+        if not isinstance(ids, torch.Tensor):
+            pool = torch.tensor(list(ids))
+            ids = torch.stack([pool[torch.randperm(len(pool), generator=gen)[:k]] for _ in range(T)])
+        x = (torch.randn(T, d, generator=gen, dtype=torch.float64)).to(dtype)
+        gates = (torch.rand(T, k, generator=gen, dtype=torch.float64) * 0.9 + 0.1).to(
+            torch.float32 if dtype == torch.bfloat16 else dtype)
+        experts = [GradedExpert(d, 2 * d, gen, dtype) for _ in range(E)]
+        reference = [copy.deepcopy(e).double() for e in experts]
+        x64, g64 = x.double().clone().requires_grad_(), gates.double().clone().requires_grad_()
+        expected = _loop_reference(x64, ids, g64, reference)
+        weight_of_out = torch.randn(T, d, generator=gen, dtype=torch.float64)
+        ref_params = [p for e in reference for p in e.parameters()]
+        ref_grads = [torch.zeros_like(p) if g is None else g for p, g in zip(
+            [x64, g64, *ref_params], torch.autograd.grad((expected * weight_of_out).sum(), [x64, g64, *ref_params],
+                                                         allow_unused=True))]  # an expert without tokens: zero
+        expected = expected.detach()
+        if dtype == torch.bfloat16:
+            scale = float(expected.abs().max())
+            tol = dict(rtol=3e-2, atol=3e-2 * scale)
+        else:
+            tol = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+
+        outs = []
+        for attempt in (0, 1):
+            mine = [copy.deepcopy(e) for e in experts]
+            x_in, g_in = x.clone().requires_grad_(), gates.clone().requires_grad_()
+            out, copies = call_on_copies(fn, tried + (" (called a second time)" if attempt else ""), x_in, ids, g_in, mine,
+                                         return_inputs=True)
+            (out,) = results(out, ("out",), tried)
+            outs.append((out, copies, mine))
+        out, (x_in, _, g_in, _), mine = outs[0]
+        if not same_values(out.detach(), outs[1][0].detach()):
+            fail(tried + " (called twice)", "a different out on the second call", "the same result for the same input",
+                 "does your function keep state between calls, or depend on randomness?")
+        _shape_dtype(out, "out", dtype, (T, d), tried,
+                     "out: one row per token, [T, d], in x's dtype (gates may be float32 while x is bfloat16: cast the "
+                     "combined result back with .to(x.dtype))")
+        got = out.detach().double()
+        if torch.isnan(got).any():
+            fail(tried, "NaN in out", "finite values", "every row of out must be written: a token's row is the sum of its "
+                                                       "k weighted expert outputs")
+        if not torch.allclose(got, expected, **tol):
+            with torch.no_grad():
+                hint = _sort_dispatch_mistake(got, x.double(), ids, gates.double(), reference, expected, tol)
+            row = int((~torch.isclose(got, expected, **tol)).any(-1).nonzero()[0])
+            fail(tried, f"out[{row}] = {[round(v, 4) for v in got[row].tolist()]}",
+                 f"{[round(v, 4) for v in expected[row].tolist()]} (the loop over tokens)",
+                 hint or "out[t] = sum over j of gates[t, j] * experts[expert_ids[t, j]](x[t]): sort the assignments by "
+                         "expert (order = argsort of expert_ids.reshape(-1)), rows = x[order // k], run each expert on its "
+                         "slice, put the results back with the inverse permutation, weight by the gates, sum over k")
+        routed = torch.bincount(ids.reshape(-1), minlength=E).tolist()
+        for e, expert in enumerate(mine):
+            if expert.calls > 1:
+                fail(tried, f"experts[{e}] called {expert.calls} times ({expert.rows} rows in all)",
+                     "each expert called once, on its contiguous slice of the sorted rows (or not at all if it gets none)",
+                     "sort the T * k assignments by expert once, cut the sorted rows with .split(counts) (counts = "
+                     "torch.bincount(expert_ids.reshape(-1), minlength=len(experts)).tolist()) and call each expert on its "
+                     "slice: a loop over tokens calls every expert once per token, T * k small calls instead of E big ones")
+            if expert.calls == 1 and expert.rows != routed[e]:
+                fail(tried, f"experts[{e}] given {expert.rows} rows", f"{routed[e]} rows: the assignments routed to it",
+                     "the slice of expert e is counts[e] consecutive sorted rows (counts from torch.bincount with "
+                     "minlength=len(experts), so that experts without tokens get an empty slice and the slices line up)")
+        expect_differentiable(out, "out", tried, "build out from x, gates and the experts' outputs with torch operations "
+                                                 "(no .detach(), torch.no_grad() or .tolist() of values): training "
+                                                 "backpropagates through the dispatch into the router and the experts")
+        if dtype == torch.bfloat16:
+            count += 1
+            continue  # bf16 gradients are too coarse to tell a mistake from rounding; fp32/fp64 cases check them
+        params = [p for e in mine for p in e.parameters()]
+        grads = torch.autograd.grad(out, [x_in, g_in, *params], grad_outputs=weight_of_out.to(dtype), allow_unused=True)
+        names = ["x", "gates"] + [f"experts[{e}].{n}" for e in range(E) for n, _ in mine[e].named_parameters()]
+        for name, grad, ref in zip(names, grads, ref_grads):
+            if grad is None and ref.abs().max() == 0:
+                continue  # an expert without tokens: no gradient is right too
+            if grad is None:
+                fail(tried, f"no gradient reaches {name}", f"d(out · w)/d {name} of the loop over tokens",
+                     "keep every step in autograd: index with tensors (x[order // k], rows[inverse]), no in-place writes "
+                     "into a tensor that does not require grad under torch.no_grad(), no .detach()")
+            if not torch.allclose(grad.double(), ref, **{k_: v * 10 for k_, v in tol.items()}):
+                fail(tried, f"the gradient with respect to {name} differs from the loop's (max |difference| "
+                            f"{float((grad.double() - ref).abs().max()):.3g})", "the loop over tokens' gradient",
+                     "the forward is right, so something detaches or overwrites part of the graph: gates must multiply the "
+                     "expert outputs inside autograd, and the unpermute must be an indexing (or index_copy/scatter out of "
+                     "place), not a copy through .data or numpy")
+        count += 1
+    passed("sort_dispatch", f"equals the loop over tokens, forward and gradients (x, gates, expert weights), on {count} "
+                            "inputs: top-1 to every expert, experts without tokens, tied expert ids, one token, bf16; each "
+                            "expert called once on its slice")

@@ -16,14 +16,15 @@ EXPERT_COUNTS = (2, 4, 8, 16, 32)
 
 
 def plot_routing(data: dict, title: str | None = None):
-    """Three panels:
+    """Two panels, three when balancing ran:
 
-    * left, the tokens each expert was routed before balancing (grey outline) and after, split into
-      kept (blue) and dropped (red), with the capacity as a dashed line (none when dropless);
+    * left, the tokens each expert was routed, split into kept (blue) and dropped (red), with the
+      capacity as a dashed line (none when dropless) and, when balancing ran, the loads before it
+      (grey outline);
     * middle, the dense gate matrix of the first tokens (rows) over the experts (columns): which
       experts each token goes to, and with what weight;
-    * right, the Switch balancing loss (``E * sum f_i P_i``, 1 = balanced) over the balancing steps,
-      or a note that balancing is off.
+    * right, only when balancing ran: the Switch balancing loss (``E * sum f_i P_i``, 1 = balanced)
+      over the balancing steps.
 
     ``data``: the dict :func:`labkit.moe.routing_explorer` returns. Returns the figure.
     """
@@ -32,32 +33,35 @@ def plot_routing(data: dict, title: str | None = None):
         raise ValueError("data: expected the dict labkit.moe.routing_explorer returns")
     E = len(data["tokens_per_expert"])
     experts = np.arange(E)
-    fig, (ax_load, ax_gates, ax_aux) = plt.subplots(1, 3, figsize=(12, 3.4), gridspec_kw={"width_ratios": [1.3, 1, 1]})
+    history = data.get("aux_loss_history") or []
+    if history:
+        fig, (ax_load, ax_gates, ax_aux) = plt.subplots(1, 3, figsize=(12, 3.4), gridspec_kw={"width_ratios": [1.3, 1, 1]})
+    else:
+        fig, (ax_load, ax_gates) = plt.subplots(1, 2, figsize=(9, 3.4), gridspec_kw={"width_ratios": [1.3, 1]})
     ax_load.bar(experts, data["kept_per_expert"], color="tab:blue", label="kept")
     ax_load.bar(experts, data["dropped_per_expert"], bottom=data["kept_per_expert"], color="tab:red", label="dropped")
-    ax_load.bar(experts, data["tokens_per_expert_before"], fill=False, edgecolor="grey", lw=1.0, label="before balancing")
+    if history:
+        ax_load.bar(experts, data["tokens_per_expert_before"], fill=False, edgecolor="grey", lw=1.0, label="before balancing")
     if data["capacity"] is not None:
         ax_load.axhline(data["capacity"], color="black", ls="--", lw=1.0, label=f"capacity {data['capacity']}")
     ax_load.set_xlabel("expert")
+    ax_load.set_xticks(experts if E <= 16 else experts[:: E // 8])
     ax_load.set_ylabel("assignments")
     ax_load.set_title("load per expert", fontsize=9)
     ax_load.legend(fontsize=7, loc="upper right")
     gates = np.asarray(data["gates"].detach().cpu() if hasattr(data["gates"], "detach") else data["gates"])
     image = ax_gates.imshow(gates, aspect="auto", cmap="Blues", vmin=0.0, vmax=1.0, interpolation="nearest")
     ax_gates.set_xlabel("expert")
+    ax_gates.set_xticks(experts if E <= 16 else experts[:: E // 8])
     ax_gates.set_ylabel("token")
     ax_gates.set_title(f"gates of the first {gates.shape[0]} tokens", fontsize=9)
     fig.colorbar(image, ax=ax_gates, fraction=0.05)
-    history = data.get("aux_loss_history") or []
     if history:
         ax_aux.plot(range(1, len(history) + 1), history, color="tab:green")
         ax_aux.axhline(1.0, color="grey", ls=":", lw=1.0)
         ax_aux.set_xlabel("balancing step")
         ax_aux.set_ylabel("E * sum f_i P_i")
         ax_aux.set_title("balancing loss (1 = balanced)", fontsize=9)
-    else:
-        ax_aux.text(0.5, 0.5, "balancing off\n(balance weight 0)", ha="center", va="center", transform=ax_aux.transAxes)
-        ax_aux.set_axis_off()
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
