@@ -577,26 +577,46 @@ def measured_bubble(events_by_rank: dict[int, list]) -> float:
     return 1.0 - busy / (len(events_by_rank) * (end - start))
 
 
-def simulate_schedule(schedule: str, num_stages: int, micro_batches: int, forward_time: float = 1.0,
+class ScheduleDeadlock(RuntimeError):
+    """A pipeline schedule in which no stage can go on: ``waiting`` maps each stage that still has
+    work to ``(action, dependency)``, its next action and the ``(kind, stage, micro_batch)`` it waits for."""
+
+    def __init__(self, waiting: dict[int, tuple]):
+        self.waiting = waiting
+        super().__init__("the schedule deadlocks: " + "; ".join(
+            f"stage {s} waits at {a[0]}{a[1]} for stage {d[1]}'s {d[0]}{d[2]}" for s, (a, d) in waiting.items()))
+
+
+def simulate_schedule(schedule, num_stages: int, micro_batches: int, forward_time: float = 1.0,
                       backward_time: float = 2.0) -> dict[int, list]:
     """The events :func:`run_pipeline` would record if every stage took exactly
     ``forward_time`` per forward and ``backward_time`` per backward and messages were free: each
-    action starts when its stage is free and its input has arrived. ``{stage: [(kind, i, start,
-    end)]}``; :func:`measured_bubble` of it is exactly :func:`bubble_fraction`."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}: expected one of {sorted(SCHEDULES)}")
-    plans = {s: list(SCHEDULES[schedule](num_stages, micro_batches, s)) for s in range(num_stages)}
+    action starts when its stage is free and its input has arrived (a forward needs the previous
+    stage's forward of its micro-batch, a backward the next stage's backward, or on the last stage
+    its own forward). ``schedule``: a name in :data:`SCHEDULES`, or ``{stage: [(kind, i), ...]}``
+    for every stage. ``{stage: [(kind, i, start, end)]}``; :func:`measured_bubble` of it is exactly
+    :func:`bubble_fraction` for the schedules above. Raises :class:`ScheduleDeadlock` when no stage
+    can go on."""
+    if isinstance(schedule, str):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}: expected one of {sorted(SCHEDULES)} or {{stage: actions}}")
+        plans = {s: list(SCHEDULES[schedule](num_stages, micro_batches, s)) for s in range(num_stages)}
+    elif isinstance(schedule, dict) and sorted(schedule) == list(range(num_stages)):
+        plans = {s: list(schedule[s]) for s in range(num_stages)}
+    else:
+        raise TypeError(f"schedule: expected a name in {sorted(SCHEDULES)} or {{stage: actions}} for stages 0..{num_stages - 1}")
     done: dict[tuple, float] = {}
     free = [0.0] * num_stages
     events = {s: [] for s in range(num_stages)}
     while any(plans.values()):
-        progressed = False
+        waiting, progressed = {}, False
         for s in range(num_stages):
             if not plans[s]:
                 continue
             kind, i = plans[s][0]
             dependency = (("F", s - 1, i) if s > 0 else None) if kind == "F" else (("B", s + 1, i) if s < num_stages - 1 else ("F", s, i))
             if dependency is not None and dependency not in done:
+                waiting[s] = ((kind, i), dependency)
                 continue
             begin = max(free[s], done.get(dependency, 0.0))
             end = begin + (forward_time if kind == "F" else backward_time)
@@ -605,7 +625,7 @@ def simulate_schedule(schedule: str, num_stages: int, micro_batches: int, forwar
             plans[s].pop(0)
             progressed = True
         if not progressed:
-            raise RuntimeError(f"schedule {schedule!r} deadlocks")  # cannot happen for the schedules above
+            raise ScheduleDeadlock(waiting)
     return events
 
 
@@ -706,14 +726,15 @@ def sequence_shard(x: torch.Tensor, rank: int, world_size: int, dim: int = -2) -
 
 
 def draw_tensor_parallel_mlp(world_size: int = 2):
-    """The Megatron MLP split, drawn: ``X`` (the same on every rank) times ``W1``'s column blocks
-    gives each rank its slice ``Y_r`` of the hidden features (no communication: ``f`` is the
-    identity forward); ``Y_r`` times ``W2``'s matching row block gives a partial ``Z_r``; ``g``
-    sums the partials (all-reduce). One colour per rank."""
+    """The Megatron SwiGLU MLP split, drawn: ``f`` (identity forward) hands ``X`` (the same on
+    every rank) to the column blocks of ``W1`` and ``W3``; each rank applies SwiGLU to its own
+    slice ``H_r`` of the hidden features (element-wise: no communication); ``H_r`` times ``W2``'s
+    matching row block gives a partial ``Z_r``; ``g`` sums the partials (all-reduce). Backward, ``g``
+    passes ``∂Z`` on unchanged and ``f`` all-reduces the ranks' partial ``∂X``. One colour per rank."""
     import matplotlib.pyplot as plt
 
     _check_positive_ints(world_size=world_size)
-    fig, ax = plt.subplots(figsize=(9, 2.6))
+    fig, ax = plt.subplots(figsize=(9, 3.0))
     colors = plt.cm.tab10.colors
 
     def box(x, y, w, h, color, label="", alpha=0.8):
@@ -722,22 +743,25 @@ def draw_tensor_parallel_mlp(world_size: int = 2):
             ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=8)
 
     box(0, 0, 1, 2, "#dddddd", "X\n(all ranks)")
-    ax.text(1.25, 1, "×", fontsize=14, va="center")
+    ax.text(1.3, 1.25, "f", ha="center", fontsize=10, color="purple")
+    ax.text(1.3, 0.85, "×", ha="center", fontsize=14, va="center")
     width = 2.0 / world_size
     for r in range(world_size):
-        box(1.6 + r * width, 0, width, 2, colors[r], f"W1\ncols\n{r}")  # column blocks of W1 (as [d_in, d_ff])
-        box(4.2 + r * width, 0, width, 2, colors[r], f"Y{r}")
+        box(1.6 + r * width, 0, width, 2, colors[r], f"W1, W3\ncols\n{r}")  # column blocks (as [d_in, d_ff])
+        box(4.2 + r * width, 0, width, 2, colors[r], f"H{r}")
         box(6.8, 2 - (r + 1) * width, 2, width, colors[r], f"W2 rows {r}")  # row blocks of W2 (as [d_ff, d_in])
-    ax.text(3.8, 1, "=", fontsize=14, va="center")
+    ax.text(3.9, 1, "SwiGLU\n→", ha="center", fontsize=8, va="center")
     ax.text(6.4, 1, "×", fontsize=14, va="center")
     ax.annotate("", xy=(10.3, 1), xytext=(9.0, 1), arrowprops=dict(arrowstyle="->"))
-    ax.text(9.65, 1.25, "g: all-reduce\nΣ_r Y_r W2_r", ha="center", fontsize=8)
+    ax.text(9.65, 1.25, "g: all-reduce\nΣ_r H_r W2_r", ha="center", fontsize=8, color="purple")
     box(10.4, 0, 1, 2, "#dddddd", "Z\n(all ranks)")
-    ax.text(2.6, 2.25, "column-parallel (f: identity forward,\nall-reduce of dX backward)", ha="center", fontsize=8)
+    ax.text(2.6, 2.25, "column-parallel", ha="center", fontsize=8)
     ax.text(7.8, 2.25, "row-parallel", ha="center", fontsize=8)
+    ax.text(5.7, -0.45, "backward: g passes ∂Z on unchanged to every rank; f all-reduces the ranks' partial ∂X",
+            ha="center", fontsize=8, color="purple")
     ax.set_xlim(-0.2, 11.6)
-    ax.set_ylim(-0.2, 2.9)
+    ax.set_ylim(-0.7, 2.9)
     ax.axis("off")
-    ax.set_title(f"tensor-parallel MLP on {world_size} ranks: one all-reduce forward, one backward", fontsize=10)
+    ax.set_title(f"tensor-parallel SwiGLU MLP on {world_size} ranks: one all-reduce forward (g), one backward (f)", fontsize=10)
     fig.tight_layout()
     return fig

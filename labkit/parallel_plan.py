@@ -31,19 +31,24 @@ GB = 1e9
 class Interconnect:
     """How the GPUs talk: ``gpus_per_node`` share a fast intra-node fabric (NVLink) of
     ``intra_node`` bytes/s per GPU and direction; across nodes each GPU has ``inter_node`` bytes/s
-    (its InfiniBand NIC)."""
+    (its NIC) on ``fabric`` (InfiniBand, or RoCE: RDMA over Ethernet)."""
 
     name: str
     gpus_per_node: int
     intra_node: float
     inter_node: float
+    fabric: str = "InfiniBand"
 
 
 # NVIDIA's published figures: NVLink 4 gives an H100/H200 SXM 900 GB/s in total (450 GB/s each way);
-# a DGX H100/H200 node has one 400 Gb/s (50 GB/s) ConnectX-7 InfiniBand port per GPU.
+# a DGX H100/H200 node has one 400 Gb/s (50 GB/s) ConnectX-7 InfiniBand port per GPU. Meta trained Llama 3 405B
+# on its RoCE cluster: 400 Gb/s RDMA over Converged Ethernet per GPU (Llama 3 paper, section 3.3.1).
 INTERCONNECTS = {
     "nvlink+ib": Interconnect("8 GPUs per node, NVLink 4 (450 GB/s per GPU each way), 400 Gb/s InfiniBand per GPU", 8, 450e9, 50e9),
-    "pcie+ethernet": Interconnect("8 GPUs per node, PCIe 5 (64 GB/s), 100 Gb/s Ethernet per node (1.6 GB/s per GPU)", 8, 64e9, 12.5e9 / 8),
+    "nvlink+roce": Interconnect("8 GPUs per node, NVLink 4 (450 GB/s per GPU each way), 400 Gb/s RoCE per GPU", 8, 450e9, 50e9,
+                                "RoCE"),
+    "pcie+ethernet": Interconnect("8 GPUs per node, PCIe 5 (64 GB/s), 100 Gb/s Ethernet per node (1.6 GB/s per GPU)", 8, 64e9, 12.5e9 / 8,
+                                  "Ethernet"),
 }
 GPU_MEMORY_GB = {"H100 SXM (80 GB)": 80, "H200 SXM (141 GB)": 141, "A100 (40 GB)": 40, "A100 (80 GB)": 80}
 H100_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak of an H100/H200 SXM
@@ -63,11 +68,11 @@ PLAN_PRESETS: dict[str, ModelConfig] = {
 # of Models", Dubey et al. 2024, Table 4): 16M tokens per step in every row.
 PUBLISHED_LAYOUTS = [
     {"model": "llama3-405b", "gpus": 8192, "tp": 8, "cp": 1, "pp": 16, "dp": 64, "seq_len": 8192, "tokens_per_step": 16 * 2**20,
-     "source": "Llama 3 (Dubey et al. 2024), Table 4"},
+     "interconnect": "nvlink+roce", "source": "Llama 3 (Dubey et al. 2024), Table 4"},
     {"model": "llama3-405b", "gpus": 16384, "tp": 8, "cp": 1, "pp": 16, "dp": 128, "seq_len": 8192, "tokens_per_step": 16 * 2**20,
-     "source": "Llama 3 (Dubey et al. 2024), Table 4"},
+     "interconnect": "nvlink+roce", "source": "Llama 3 (Dubey et al. 2024), Table 4"},
     {"model": "llama3-405b", "gpus": 16384, "tp": 8, "cp": 16, "pp": 16, "dp": 8, "seq_len": 131072, "tokens_per_step": 16 * 2**20,
-     "source": "Llama 3 (Dubey et al. 2024), Table 4 (long-context stage)"},
+     "interconnect": "nvlink+roce", "source": "Llama 3 (Dubey et al. 2024), Table 4 (long-context stage)"},
 ]
 
 
@@ -246,13 +251,14 @@ def parallel_plan(config: ModelConfig | str, gpus: int, gpu_memory: float, inter
     and step (bytes it sends): TP, 4 all-reduces per layer and micro-batch (6 with activation
     checkpointing, whose recomputed forward repeats them); CP, the ring attention's K/V blocks
     (``cp - 1`` forward, twice that backward); PP, one activation per micro-batch forward and one
-    gradient back; EP, per MoE layer and micro-batch the all-to-alls that send the routed tokens
+    gradient back, of which each TP rank sends its ``1/tp`` (Megatron's scatter/gather, Narayanan
+    et al. 2021 §4.1: the next stage all-gathers the pieces over NVLink); EP, per MoE layer and micro-batch the all-to-alls that send the routed tokens
     to their experts and back, in forward and again in backward (and in the recomputed forward
     with activation checkpointing), each TP rank dispatching ``1/tp`` of the tokens
     (Megatron-Core's all-to-all dispatcher); DP, the gradient all-reduce, of the routed experts
     over the ``DP/EP`` ranks that hold the same ones (ZeRO-3 adds the parameter all-gathers). Each
     dimension's traffic runs on NVLink while its group fits in a node (TP innermost, then CP, EP,
-    PP, DP), else on InfiniBand. Step time: compute (6 FLOPs per active parameter and token, 8
+    PP, DP), else on the inter-node fabric (InfiniBand or RoCE). Step time: compute (6 FLOPs per active parameter and token, 8
     with recomputation) at ``mfu`` of ``gpu_flops``, stretched by the bubble, plus all
     communication (no overlap: an upper bound).
     """
@@ -315,7 +321,7 @@ def _plan(config, tp, pp, cp, dp, m, gpu_memory, net: Interconnect, seq_len, mic
     comm = {
         "tp": passes * layers * m * collective_bytes_sent("all_reduce", activation, tp),
         "cp": 3 * (cp - 1) * kv_block * layers * m,
-        "pp": (2 * m * activation if pp > 1 else 0),
+        "pp": (2 * m * activation / tp if pp > 1 else 0),  # Megatron's scatter/gather: each TP rank sends 1/tp
         "dp": dp_factor * ((dp - 1) / dp * dense_here + (expert_dp - 1) / expert_dp * experts_here) * p,
     }
     nested = {"tp": tp, "cp": tp * cp, "ep": tp * cp * ep, "pp": tp * cp * ep * pp, "dp": tp * cp * pp * dp}
@@ -323,7 +329,7 @@ def _plan(config, tp, pp, cp, dp, m, gpu_memory, net: Interconnect, seq_len, mic
         moe_layers = max(sum(config.is_moe_layer(sum(counts[:s]) + i) for i in range(n)) for s, n in enumerate(counts))
         comm["ep"] = passes * moe_layers * m * expert_parallel_comm(micro_batch * (seq_len // cp), config.moe.top_k, config.d_model,
                                                                     ep, p, tp)
-    links = {k: "NVLink" if nested[k] <= net.gpus_per_node else "InfiniBand" for k in comm}
+    links = {k: "NVLink" if nested[k] <= net.gpus_per_node else net.fabric for k in comm}
     seconds = {k: comm[k] / (net.intra_node if links[k] == "NVLink" else net.inter_node) for k in comm}
     dense_total, experts_total = stage_parameter_split(config, 1, config.num_layers, True, True)
     active = dense_total + (experts_total * config.moe.top_k // config.moe.num_experts if config.moe else 0)
@@ -332,9 +338,30 @@ def _plan(config, tp, pp, cp, dp, m, gpu_memory, net: Interconnect, seq_len, mic
     bubble = bubble_fraction(pp, m)
     notes = []
     if tp > net.gpus_per_node:
-        notes.append(f"TP={tp} spans nodes: its all-reduces cross InfiniBand")
+        notes.append(f"TP={tp} spans nodes: its all-reduces cross {net.fabric}")
     return LayoutPlan(tp, pp, cp, dp, m, stages[worst], worst, stages[worst].total <= gpu_memory * GB, comm, seconds, links, bubble,
                       compute, compute / (1 - bubble) + sum(seconds.values()), notes, ep)
+
+
+def tp_compute_to_comm(config: ModelConfig | str, tp: int, bandwidth: float, gpu_flops: float = H100_BF16_FLOPS, mfu: float = 0.4,
+                       bytes_per_element: int = 2) -> float:
+    """How many times longer a GPU of a ``tp``-way tensor-parallel group spends on one dense layer's
+    matmuls (forward and backward) than on its 4 ring all-reduces, at ``mfu`` of ``gpu_flops`` and
+    ``bandwidth`` bytes/s per GPU and direction. The tokens cancel: per token a rank computes
+    ``6·P/tp`` FLOPs (``P``: the layer's parameters) and sends ``4 · 2(tp-1)/tp · d_model`` elements,
+    so the ratio is ``6·P·bandwidth / (8·(tp-1)·d_model·bytes·mfu·gpu_flops)``. Below 1 the
+    all-reduces (not overlapped) cost more than the work they split: TP no longer pays."""
+    config = config_from(config, PLAN_PRESETS)
+    if config.moe is not None:
+        raise ValueError("config: expected a dense model (a MoE layer's expert matmuls depend on the routing)")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 2:
+        raise ValueError(f"tp={tp!r}: expected an integer >= 2 (one rank sends nothing)")
+    if not bandwidth > 0 or not gpu_flops > 0 or not 0 < mfu <= 1:
+        raise ValueError(f"bandwidth={bandwidth!r}, gpu_flops={gpu_flops!r}, mfu={mfu!r}: expected positive numbers, mfu at most 1")
+    layer = stage_parameter_split(config, 1, 1, False, False)[0]
+    compute = 6 * layer / tp / (mfu * gpu_flops)
+    comm = 4 * collective_bytes_sent("all_reduce", config.d_model * bytes_per_element, tp) / bandwidth
+    return compute / comm
 
 
 def expert_parallel_comm(tokens: int, top_k: int, d_model: int, ep: int, bytes_per_element: int, tp: int = 1) -> float:
@@ -353,7 +380,7 @@ def published_layout_plan(layout: dict, gpu_memory: float = 80, **assumptions) -
     :func:`parallel_plan`)."""
     plans = parallel_plan(layout["model"], layout["gpus"], gpu_memory, seq_len=layout["seq_len"],
                           tokens_per_step=layout["tokens_per_step"], tp=[layout["tp"]], pp=[layout["pp"]], cp=(layout["cp"],),
-                          ep=[layout.get("ep", 1)], **assumptions)
+                          ep=[layout.get("ep", 1)], interconnect=layout["interconnect"], **assumptions)
     if len(plans) != 1 or plans[0].dp != layout["dp"]:
         raise ValueError(f"layout: {layout} is not a whole-numbered layout of its GPUs")
     return plans[0]
@@ -362,16 +389,21 @@ def published_layout_plan(layout: dict, gpu_memory: float = 80, **assumptions) -
 def strategy_memory(config: ModelConfig | str, gpus: int, seq_len: int = 4096, micro_batch: int = 1, **assumptions) -> dict[str, MemoryBreakdown]:
     """Memory per GPU of one model on ``gpus`` GPUs split each way on its own: pure data
     parallelism (DDP, ZeRO-1, ZeRO-3) and the largest TP, PP and TP × PP that the model allows.
-    ``{label: MemoryBreakdown}`` (worst stage)."""
+    ``{label: MemoryBreakdown}`` (worst stage); each label names everything its layout includes:
+    the plain TP with DDP over the rest, then with ZeRO-1 over the data-parallel ranks, then with
+    sequence parallelism (SP) too, as the combined layouts use them."""
     config = PLAN_PRESETS[config] if isinstance(config, str) else config
     tp = max(t for t in (1, 2, 4, 8) if _valid_tp(config, t) and gpus % t == 0)
     pp = max(p for p in (1, 2, 4, 8, 16) if p <= config.num_layers and gpus % p == 0)
-    choices = {"DDP": (1, 1, 0), "ZeRO-1": (1, 1, 1), "ZeRO-3": (1, 1, 3), f"TP{tp}": (tp, 1, 1), f"PP{pp}": (1, pp, 1)}
     both = max(p for p in (1, 2, 4, 8, 16) if p <= config.num_layers and gpus % (tp * p) == 0)
-    choices[f"TP{tp} x PP{both}"] = (tp, both, 1)
+    # label -> (tp, pp, ZeRO stage over the data-parallel ranks, sequence parallelism)
+    choices = {"DDP": (1, 1, 0, False), "ZeRO-1": (1, 1, 1, False), "ZeRO-3": (1, 1, 3, False),
+               f"TP{tp} + DDP": (tp, 1, 0, False), f"TP{tp} + ZeRO-1": (tp, 1, 1, False),
+               f"TP{tp} + SP + ZeRO-1": (tp, 1, 1, True),
+               f"PP{pp} + ZeRO-1": (1, pp, 1, False), f"TP{tp} x PP{both} + SP + ZeRO-1": (tp, both, 1, True)}
     out = {}
-    for label, (t, p, zero) in choices.items():
+    for label, (t, p, zero, sp) in choices.items():
         dp = gpus // (t * p)
-        out[label] = max((stage_memory(config, t, p, 1, dp, s, p, micro_batch, seq_len, zero_stage=zero, **assumptions)
-                          for s in range(p)), key=lambda b: b.total)
+        out[label] = max((stage_memory(config, t, p, 1, dp, s, p, micro_batch, seq_len, zero_stage=zero, sequence_parallel=sp,
+                                       **assumptions) for s in range(p)), key=lambda b: b.total)
     return out

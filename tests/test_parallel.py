@@ -176,6 +176,18 @@ def test_schedules_and_their_simulated_bubble():
         P.simulate_schedule("zb", 2, 2)
 
 
+def test_simulate_schedule_takes_any_order_and_names_a_deadlock():
+    orders = {s: P.one_f_one_b_schedule(3, 4, s) for s in range(3)}
+    assert P.simulate_schedule(orders, 3, 4) == P.simulate_schedule("1f1b", 3, 4)
+    # stage 0 warms up with one forward fewer than stage 1 needs to reach its first backward: nothing can go on
+    stuck = {0: [("F", 0), ("B", 0), ("F", 1), ("B", 1)], 1: [("F", 0), ("F", 1), ("B", 0), ("B", 1)]}
+    with pytest.raises(P.ScheduleDeadlock, match="stage 0 waits at B0 for stage 1's B0") as caught:
+        P.simulate_schedule(stuck, 2, 2)
+    assert caught.value.waiting == {0: (("B", 0), ("B", 1, 0)), 1: (("F", 1), ("F", 0, 1))}
+    with pytest.raises(TypeError, match="stage"):
+        P.simulate_schedule({0: []}, 2, 2)
+
+
 def test_split_layers():
     assert P.split_layers(126, 16) == [7] + [8] * 14 + [7]  # Llama 3 405B
     assert P.split_layers(4, 2) == [2, 2] and P.split_layers(5, 2) == [3, 2] and P.split_layers(3, 1) == [3]

@@ -70,6 +70,9 @@ def test_llama3_405b_published_layouts_fit_with_checkpointing_and_tp_inside_a_no
     plan = PP.published_layout_plan(layout, activation_checkpointing=True)
     assert plan.dp == layout["dp"] and plan.fits and plan.links["tp"] == "NVLink"
     assert not PP.published_layout_plan(layout, activation_checkpointing=False).fits  # the activations of 16 micro-batches
+    assert plan.links["pp"] == plan.links["dp"] == "RoCE"  # Meta's 405B cluster: RDMA over Ethernet, not InfiniBand
+    # each TP rank sends its 1/tp of every micro-batch's activation to the next stage, and of its gradient back
+    assert plan.comm_bytes["pp"] == 2 * plan.micro_batches * (layout["seq_len"] // layout["cp"]) * 16384 * 2 / layout["tp"]
 
 
 def test_llama3_405b_needs_pipeline_stages():
@@ -104,7 +107,10 @@ def test_strategy_memory_shows_why_to_split():
     memory = PP.strategy_memory("llama3-70b", 64, seq_len=4096)
     totals = {k: v.total for k, v in memory.items()}
     assert totals["DDP"] > totals["ZeRO-1"] > totals["ZeRO-3"]
-    assert totals["TP8"] < totals["ZeRO-1"] and totals["TP8 x PP8"] < totals["TP8"]
+    assert totals["TP8 + SP + ZeRO-1"] < totals["ZeRO-1"] and totals["TP8 x PP8 + SP + ZeRO-1"] < totals["TP8 + SP + ZeRO-1"]
+    # plain TP (DDP over the other 8 ranks, no sequence parallelism) keeps whole norms' activations and full model state
+    plain, full = memory["TP8 + DDP"], memory["TP8 + SP + ZeRO-1"]
+    assert plain.activations > 3 * full.activations and plain.model_state > 2 * full.model_state and plain.total > 80e9 > full.total
 
 
 # ----------------------------------------------------------------------------- mixture of experts
@@ -149,3 +155,18 @@ def test_expert_parallelism_trades_memory_for_all_to_all_traffic():
                                                                  tokens_per_step=2**20)[0].links["ep"] == "InfiniBand"
     dense = PP.parallel_plan("qwen3-8b", 64, 80, tp=[1], pp=[2], seq_len=4096, tokens_per_step=2**20)[0]
     assert "ep" not in dense.comm_bytes and "(EP" not in dense.layout
+
+
+def test_tp_compute_to_comm_is_the_closed_form_and_says_where_tp_stops_paying():
+    config = PP.PLAN_PRESETS["llama3-70b"]
+    d, kv = config.d_model, config.kv_heads * config.dim_per_head
+    layer = 2 * d * d + 2 * d * kv + 3 * d * config.d_ff + 2 * d  # q, o; k, v; SwiGLU; two RMSNorm gains
+    for tp in (2, 8, 16):
+        expected = 6 * layer * 450e9 / (8 * (tp - 1) * d * 2 * 0.4 * PP.H100_BF16_FLOPS)
+        assert PP.tp_compute_to_comm(config, tp, 450e9) == pytest.approx(expected)
+    assert PP.tp_compute_to_comm("llama3-70b", 8, 450e9) > 1 > PP.tp_compute_to_comm("llama3-70b", 16, 50e9)
+    assert PP.tp_compute_to_comm("llama3-405b", 8, 450e9) > PP.tp_compute_to_comm("llama3-70b", 8, 450e9)  # grows with d_model
+    with pytest.raises(ValueError, match="tp"):
+        PP.tp_compute_to_comm(config, 1, 450e9)
+    with pytest.raises(ValueError, match="dense"):
+        PP.tp_compute_to_comm("mixtral-8x7b", 2, 450e9)
