@@ -6,7 +6,8 @@ vanishing/exploding signals in a deep stack and how a norm fixes them (``deep_st
 Pre-LN vs Post-LN gradients at initialization (``block_gradient_norms`` in labkit's LM,
 ``ffn_gradient_profile`` in Xiong et al.'s encoder stack), the activation
 functions and their derivatives (``activation_curves``), SwiGLU's ``d_ff`` (``swiglu_d_ff``,
-``ffn_param_counts``), norms in a trained model (``train_with_norms``), the Triton path
+``ffn_param_counts``), where the norm sits in training, with and without warmup (``train_placements``), what
+QK-norm does to attention (``attention_entropy_under_scaling``), the Triton path
 (``use_triton_kernels``) and the bytes an RMSNorm moves (``rmsnorm_bytes``, ``count_op_bytes``).
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from labkit.model import TransformerBlock, TransformerLM, tiny_config
+from labkit.model import make_norm as config_norm
 from labkit.nn import ACTIVATIONS, GLU, NORMS, LayerNorm, Linear, RMSNorm, gelu, make_norm  # noqa: F401 (NORMS: the chapter lists norms.NORMS)
 from labkit.train import TrainConfig, cross_entropy, train
 
@@ -196,15 +198,42 @@ class PostNormBlock(TransformerBlock):
         return self.ln2(x + self.ffn(x))
 
 
+class OutputNormBlock(TransformerBlock):
+    """OLMo 2's order: each sublayer's *output* is normalized inside the residual branch,
+    ``x = x + ln1(attn(x)); x = x + ln2(ffn(x))``; the residual path itself has no norm."""
+
+    def forward(self, x, token_positions=None, kv_cache=None, layer_idx: int = 0):
+        x = x + self.ln1(self.attn(x, token_positions, kv_cache, layer_idx))
+        return x + self.ln2(self.ffn(x))
+
+
+class SandwichNormBlock(TransformerBlock):
+    """Gemma 2/3's order ("sandwich", peri-LN): a norm on both sides of each sublayer,
+    ``x = x + ln1_out(attn(ln1(x))); x = x + ln2_out(ffn(ln2(x)))``."""
+
+    def __init__(self, config, rope=None):
+        super().__init__(config, rope)
+        self.ln1_out, self.ln2_out = config_norm(config), config_norm(config)
+
+    def forward(self, x, token_positions=None, kv_cache=None, layer_idx: int = 0):
+        x = x + self.ln1_out(self.attn(self.ln1(x), token_positions, kv_cache, layer_idx))
+        return x + self.ln2_out(self.ffn(self.ln2(x)))
+
+
+PLACEMENTS = {"pre": TransformerBlock, "post": PostNormBlock, "output": OutputNormBlock, "sandwich": SandwichNormBlock}
+
+
 def build_lm(config, placement: str = "pre") -> TransformerLM:
-    """A :class:`TransformerLM` with Pre-LN blocks (labkit's default) or Post-LN blocks (whose
-    last block already ends in a norm, so there is no final norm)."""
-    if placement not in ("pre", "post"):
-        raise ValueError(f"placement={placement!r}: expected 'pre' or 'post'")
+    """A :class:`TransformerLM` whose blocks put their norms at ``placement``: ``"pre"`` (labkit's, GPT-2's,
+    LLaMA's), ``"post"`` (the original Transformer's; its last block already ends in a norm, so there is no final
+    norm), ``"output"`` (OLMo 2's) or ``"sandwich"`` (Gemma 2/3's); see :data:`PLACEMENTS`."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement={placement!r}: expected one of {tuple(PLACEMENTS)}")
     model = TransformerLM(config)
-    if placement == "post":
+    if placement != "pre":
         rope = model.layers[0].attn.rope
-        model.layers = nn.ModuleList(PostNormBlock(config, rope) for _ in range(config.num_layers))
+        model.layers = nn.ModuleList(PLACEMENTS[placement](config, rope) for _ in range(config.num_layers))
+    if placement == "post":
         model.ln_final = nn.Identity()
     return model
 
@@ -374,18 +403,48 @@ def ffn_param_counts(d_model: int, mlp_ratio: float = 4.0, multiple_of: int = 1)
 
 
 # ----------------------------------------------------------------------------- training
-def train_with_norms(task, norms=("layernorm", "rmsnorm", "none"), train_config=None, seed: int = 0, device=None,
-                     progress: bool = False, **model_overrides) -> dict:
-    """Train the chapter-00 model (``tiny_config``) once per norm on ``task`` (an
-    :class:`~labkit.data.ArithmeticTask`) from the same seed; returns ``norm -> History``."""
-    train_config = train_config if train_config is not None else TrainConfig()
-    train_data, val_data = task.tokens("train"), task.tokens("val")
-    histories = {}
-    for kind in norms:
+def train_placements(task, runs, train_config: TrainConfig, seed: int = 0, device=None, **model_overrides) -> dict:
+    """Train labkit's LM (``tiny_config(task.vocab_size, **model_overrides)``) on ``task``'s training tokens once
+    per ``(placement, warmup_iters)`` in ``runs`` (a placement of :func:`build_lm`), each from the same seed (so the
+    same weights, with the same batches) with ``train_config`` but its own warmup; returns
+    ``(placement, warmup_iters) -> History`` (training losses only)."""
+    from dataclasses import replace
+
+    train_data, histories = task.tokens("train"), {}
+    for placement, warmup in runs:
         torch.manual_seed(seed)
-        model = TransformerLM(tiny_config(task.vocab_size, norm=kind, **model_overrides)).to(device)
-        histories[kind] = train(model, train_data, val_data, train_config, progress=progress)
+        model = build_lm(tiny_config(task.vocab_size, **model_overrides), placement).to(device)
+        histories[placement, warmup] = train(model, train_data, None, replace(train_config, warmup_iters=warmup), progress=False)
     return histories
+
+
+def attention_entropy_under_scaling(scales=(1.0, 4.0, 16.0), qk_norm: bool = False, d_model: int = 64, num_heads: int = 4,
+                                    seq: int = 32, seed: int = 0) -> list[float]:
+    """Mean entropy (nats) of a causal attention layer's rows (positions 1 onwards) on unit-scale random inputs,
+    with its query and key weights multiplied by each of ``scales``: weights grow in training at a large learning
+    rate, and the logits grow with the product of the two. With ``qk_norm`` the layer RMS-normalizes each head's q
+    and k (OLMo 2, Gemma 3, Qwen3), so the logits no longer depend on that scale."""
+    from labkit.nn import MultiHeadSelfAttention
+
+    torch.manual_seed(seed)
+    layer = MultiHeadSelfAttention(d_model, num_heads, qk_norm=qk_norm)
+    x = torch.randn(2, seq, d_model)
+    q_weight, k_weight = layer.q_proj.weight.detach().clone(), layer.k_proj.weight.detach().clone()
+    entropies = []
+    with torch.no_grad():
+        for scale in scales:
+            layer.q_proj.weight.copy_(q_weight * scale)
+            layer.k_proj.weight.copy_(k_weight * scale)
+            probs = layer.attention_weights(x)[..., 1:, :]
+            entropies.append(-torch.special.xlogy(probs, probs).sum(dim=-1).mean().item())
+    return entropies
+
+
+def unigram_entropy(tokens) -> float:
+    """The entropy (nats) of the token frequencies: the loss of a model that ignores the context."""
+    counts = torch.bincount(torch.as_tensor(tokens, dtype=torch.int64)).double()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())
 
 
 def use_triton_kernels(model: nn.Module, enabled: bool = True) -> int:
@@ -535,6 +594,21 @@ def launch_rmsnorm_kernel(kernel, x_rows: torch.Tensor, weight: torch.Tensor, y_
 
     n_rows, n_cols = x_rows.shape
     kernel[(n_rows,)](x_rows, weight, y_rows, x_rows.stride(0), y_rows.stride(0), n_cols, eps, triton.next_power_of_2(n_cols))
+
+
+def launch_rmsnorm_backward_kernel(kernel, dy_rows: torch.Tensor, x_rows: torch.Tensor, weight: torch.Tensor,
+                                   rstd: torch.Tensor, dx_rows: torch.Tensor, dw_partial: torch.Tensor) -> None:
+    """Launch a ``@triton.jit`` RMSNorm backward ``kernel(DY, X, W, RSTD, DX, DW_PARTIAL, dy_row_stride,
+    x_row_stride, dx_row_stride, n_rows, n_cols, rows_per_program, BLOCK_SIZE: tl.constexpr)`` the way chapter
+    02's exercise asks for one: one program per row of the contiguous fp32 ``dw_partial [programs, n_cols]``,
+    program ``p`` taking the rows ``[p * rows_per_program, min((p + 1) * rows_per_program, n_rows))`` of the 2-D
+    (possibly strided) ``dy_rows``/``x_rows``, ``BLOCK_SIZE`` the next power of two >= the width."""
+    import triton
+
+    n_rows, n_cols = x_rows.shape
+    programs = dw_partial.shape[0]
+    kernel[(programs,)](dy_rows, x_rows, weight, rstd, dx_rows, dw_partial, dy_rows.stride(0), x_rows.stride(0),
+                        dx_rows.stride(0), n_rows, n_cols, triton.cdiv(n_rows, programs), triton.next_power_of_2(n_cols))
 
 
 def rmsnorm_kernel_bandwidth(kernel, rows: int = 4096, width: int = 4096) -> dict[str, float] | None:

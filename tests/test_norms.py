@@ -123,6 +123,23 @@ def test_post_norm_block_matches_a_hand_written_post_ln():
         norms.build_lm(config, "middle")
 
 
+def test_output_and_sandwich_blocks_match_hand_written_orders():
+    torch.manual_seed(0)
+    config = tiny_config(16, num_layers=1)
+    x = torch.randn(2, 5, config.d_model)
+    output = norms.build_lm(config, "output")
+    block = output.layers[0]
+    h = x + block.ln1(block.attn(x))   # OLMo 2: the norm on the sublayer's output, inside the residual branch
+    torch.testing.assert_close(block(x), h + block.ln2(block.ffn(h)))
+    sandwich = norms.build_lm(config, "sandwich")
+    block = sandwich.layers[0]
+    with torch.no_grad():
+        block.ln1_out.weight.fill_(2.0)  # the output norms are modules of their own
+    h = x + block.ln1_out(block.attn(block.ln1(x)))
+    torch.testing.assert_close(block(x), h + block.ln2_out(block.ffn(block.ln2(h))))
+    assert not isinstance(output.ln_final, torch.nn.Identity) and not isinstance(sandwich.ln_final, torch.nn.Identity)
+
+
 def test_post_ln_last_layers_get_larger_gradients_than_pre_ln():
     pre = norms.block_gradient_norms("pre", num_layers=8, seq=16)
     post = norms.block_gradient_norms("post", num_layers=8, seq=16)
@@ -233,16 +250,32 @@ def test_swiglu_d_ff_equalizes_parameters():
 
 
 # ----------------------------------------------------------------------------- training
-def test_train_with_norms_is_the_train_loop_per_norm():
+def test_train_placements_is_the_train_loop_per_placement_and_warmup():
     task = ArithmeticTask()
-    config = TrainConfig(steps=4, batch_size=4, context_length=16, eval_every=4, eval_batches=1)
-    histories = norms.train_with_norms(task, ("rmsnorm", "none"), config, seed=1)
+    config = TrainConfig(steps=4, batch_size=4, context_length=16, eval_every=4, eval_batches=1, warmup_iters=0)
+    histories = norms.train_placements(task, [("post", 0), ("post", 2), ("pre", 0)], config, seed=1, num_layers=2)
     torch.manual_seed(1)
-    model = TransformerLM(tiny_config(task.vocab_size, norm="none"))
-    expected = train(model, task.tokens("train"), task.tokens("val"), config, progress=False)
-    assert histories["none"].train_loss == expected.train_loss
-    assert histories["rmsnorm"].train_loss != expected.train_loss
-    assert len(histories["rmsnorm"].val_loss) == 1
+    model = norms.build_lm(tiny_config(task.vocab_size, num_layers=2), "post")
+    expected = train(model, task.tokens("train"), None, config, progress=False)
+    assert histories["post", 0].train_loss == expected.train_loss
+    assert histories["post", 2].lr[:3] == [0.0, config.max_lr / 2, config.max_lr]
+    assert histories["post", 2].train_loss[0] == expected.train_loss[0]   # same weights, same first batch
+    assert histories["pre", 0].train_loss != expected.train_loss and histories["pre", 0].val_loss == []
+
+
+def test_attention_entropy_under_scaling_against_uniform_rows_and_qk_norm_invariance():
+    seq = 16
+    uniform = sum(math.log(i + 1) for i in range(1, seq)) / (seq - 1)  # zero logits: row i spreads over i + 1 keys
+    assert norms.attention_entropy_under_scaling((0.0,), seq=seq)[0] == pytest.approx(uniform, rel=1e-5)
+    plain = norms.attention_entropy_under_scaling((1.0, 4.0), seq=seq)
+    assert plain[1] < plain[0] < uniform
+    normed = norms.attention_entropy_under_scaling((1.0, 4.0), qk_norm=True, seq=seq)
+    assert normed[0] == pytest.approx(normed[1], rel=1e-4)
+
+
+def test_unigram_entropy():
+    assert norms.unigram_entropy([0, 1, 2, 3]) == pytest.approx(math.log(4))
+    assert norms.unigram_entropy([5, 5, 5]) == 0.0
 
 
 def _losses_without_and_with_kernels(build, steps):

@@ -21,6 +21,7 @@ DELEGATES: dict[str, tuple[str, ...]] = {
     "update_scale": ("labkit.precision.update_scale",),
     "mx_quantize": ("labkit.block_formats.mx_quantize",),
     "rmsnorm": ("labkit.kernels.rmsnorm.rmsnorm", "torch.nn.functional.rms_norm"),
+    "rmsnorm_backward_kernel": ("labkit.kernels.rmsnorm._rmsnorm_backward_kernel",),
     "softmax": ("labkit.nn.softmax", "labkit.kernels.softmax.softmax", "torch.softmax", "torch.Tensor.softmax",
                 "torch.nn.functional.softmax", "torch.special.softmax"),
     "causal_mask": ("labkit.nn.causal_mask",),

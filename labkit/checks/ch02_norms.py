@@ -5,9 +5,9 @@ import torch
 
 from labkit.checks._core import (as_tensor, assert_close, call, call_kernel, call_on_copies, expect_device, expect_differentiable,
                                  expect_jit_kernel, fail, kernel_device, other_device, passed, same_values)
-from labkit.norms import launch_rmsnorm_kernel
+from labkit.norms import launch_rmsnorm_backward_kernel, launch_rmsnorm_kernel
 
-__all__ = ["rmsnorm", "reduction_dims", "rmsnorm_backward", "rmsnorm_kernel", "softmax"]
+__all__ = ["rmsnorm", "reduction_dims", "rmsnorm_backward", "rmsnorm_kernel", "rmsnorm_backward_kernel", "softmax"]
 
 
 def _rmsnorm_expected(x, weight, eps):
@@ -338,3 +338,170 @@ def rmsnorm_kernel(kernel) -> None:
                              f"block), padded rows, fp32/fp16/bf16, fp16 squares that overflow, an eps-dominated row, "
                              f"masked tails (NaN past each row, Y's padding untouched); int64 row offsets (a row 2**31 "
                              f"elements in)")
+
+
+# ----------------------------------------------------------------------------- the Triton RMSNorm backward kernel
+def _padded_rows(values: torch.Tensor, row_stride: int, extra_rows: int, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(buffer, view)``: ``values [rows, width]`` stored with ``row_stride`` in a buffer whose padding (between
+    the rows, and ``extra_rows`` whole rows plus a block after the last) holds ``fill``, so that reading past a row
+    or past the last row finds ``fill`` inside the buffer."""
+    rows, width = values.shape
+    buffer = torch.full(((rows + extra_rows) * row_stride + 2 * width + 64,), fill, dtype=values.dtype, device=values.device)
+    view = buffer.as_strided((rows, width), (row_stride, 1))
+    view.copy_(values)
+    return buffer, view
+
+
+def _backward_cases(device: str, gen: torch.Generator):
+    """(what, x, weight, dy, eps, programs, (dy, x, dx) row strides): widths 1, 8, 24, 33, 100 and 257 (most of them
+    ragged: masked lanes), row counts that do not split evenly over the programs (a program with fewer rows, one with none),
+    strided rows, fp16 rows (a loss-scaled fp16 dy whose products with the weight overflow fp16) and an fp32
+    weight with fp16 rows. (No bf16: Triton's interpreter computes bf16 arithmetic wrongly.)"""
+    specs = [  # rows, width, dtype, weight dtype, eps, dy scale, programs, (dy, x, dx) row strides or None
+        (4, 8, torch.float32, None, 1e-5, 1.0, 2, None),
+        (7, 33, torch.float32, None, 1e-5, 1.0, 3, (35, 40, 36)),
+        (3, 1, torch.float32, None, 1e-2, 1.0, 2, (2, 3, 1)),
+        (5, 100, torch.float16, None, 1e-5, 1.0, 4, (100, 128, 101)),
+        (6, 257, torch.float16, None, 1e-6, 16384.0, 4, (260, 257, 300)),
+        (5, 24, torch.float16, torch.float32, 1e-5, 1.0, 2, (30, 24, 25)),
+    ]
+    cases = []
+    for rows, width, dtype, wdtype, eps, dy_scale, programs, strides in specs:
+        # a loss-scaled dy comes with larger rows here, so that the right dx (~ rstd * dy * w) still fits fp16
+        x = ((torch.randn(rows, width, generator=gen) * 2 + 0.5) * (8 if dy_scale > 1 else 1)).to(dtype).to(device)
+        weight = (torch.rand(width, generator=gen) * 2 + 0.5).to(wdtype or dtype).to(device)
+        dy = (torch.randn(rows, width, generator=gen) * dy_scale).to(dtype).to(device)
+        strides = strides or (width, width, width)
+        layout = "contiguous rows" if strides == (width,) * 3 else f"row strides dy {strides[0]}, x {strides[1]}, dx {strides[2]}"
+        what = (f"x, dy [{rows}, {width}] {_short(dtype)} ({layout}{f', dy ~ {dy_scale:g} (loss-scaled)' if dy_scale > 1 else ''}), "
+                f"weight {_short(weight.dtype)}, eps={eps}, {programs} programs")
+        cases.append((what, x, weight, dy, eps, programs, strides))
+    return cases
+
+
+def _block_size(n_cols: int) -> int:
+    """The BLOCK_SIZE the launchers pass: the next power of two >= ``n_cols``."""
+    return 1 << (n_cols - 1).bit_length()
+
+
+def _backward_run(kernel, tried: str, x, weight, dy, eps, programs: int, strides, fill: float):
+    """Launch ``kernel`` on padded copies (padding = ``fill``); check it left the inputs alone and wrote nothing
+    outside dx's rows and DW_PARTIAL; return ``(dx, dw_partial)`` in fp32."""
+    n_rows, n_cols = x.shape
+    spare = -(-n_rows // programs) + 1   # whole rows of padding: a loop that runs past n_rows stays in the buffer
+    rstd = torch.rsqrt(x.float().pow(2).mean(dim=-1) + eps)   # what the forward kernel stored
+    dy_buffer, dy_rows = _padded_rows(dy, strides[0], spare, fill)
+    x_buffer, x_rows = _padded_rows(x, strides[1], spare, fill)
+    w_buffer, w_view = _padded_rows(weight[None, :], n_cols, 0, fill)
+    r_buffer, r_view = _padded_rows(rstd[None, :], n_rows, 0, fill)
+    dx_buffer, dx_rows = _padded_rows(torch.full_like(x, SENTINEL), strides[2], spare, SENTINEL)
+    partial = torch.full((programs * n_cols + 2 * n_cols + 64,), SENTINEL, dtype=torch.float32, device=x.device)
+    partial[: programs * n_cols] = POISON   # the launcher hands over uninitialized memory: every program must store its row
+    dw_partial = partial[: programs * n_cols].view(programs, n_cols)
+    before = [b.clone() for b in (dy_buffer, x_buffer, w_buffer, r_buffer)]
+    call_kernel(launch_rmsnorm_backward_kernel, tried, kernel, dy_rows, x_rows, w_view[0], r_view[0], dx_rows, dw_partial,
+                hint="run the launch yourself and read the traceback: the kernel's parameters are (DY, X, W, RSTD, DX, "
+                     "DW_PARTIAL, dy_row_stride, x_row_stride, dx_row_stride, n_rows, n_cols, rows_per_program, "
+                     "BLOCK_SIZE: tl.constexpr)")
+    if not all(same_values(b, a) for b, a in zip(before, (dy_buffer, x_buffer, w_buffer, r_buffer))):
+        fail(tried, "dy, x, weight or rstd changed by the kernel", "the inputs left as they were",
+             "store only through DX and DW_PARTIAL: the kernel must not write to DY, X, W or RSTD")
+    outside = torch.ones_like(dx_buffer, dtype=torch.bool)
+    outside.as_strided(dx_rows.shape, dx_rows.stride()).fill_(False)
+    if not (dx_buffer[outside] == SENTINEL).all():
+        # an unmasked store of the last row reaches at most BLOCK_SIZE past its start; row n_rows reaches further
+        past_rows = (dx_buffer[(n_rows - 1) * strides[2] + _block_size(n_cols):] != SENTINEL).any()
+        fail(tried, "values written outside dx's rows" + (" (past the last row)" if past_rows else " (the lanes >= n_cols)"),
+             "only the n_cols entries of the n_rows rows written",
+             "the last program's rows end at n_rows, not at (pid + 1) * rows_per_program: loop over range(row_start, "
+             "min(row_start + rows_per_program, n_rows))" if past_rows else
+             "BLOCK_SIZE is the next power of two >= n_cols: pass mask=cols < n_cols to every tl.store, not only to tl.load")
+    if not (partial[programs * n_cols:] == SENTINEL).all():
+        fail(tried, "values written past the end of DW_PARTIAL", f"only its {programs} rows of n_cols written",
+             "store the partial with mask=cols < n_cols, at DW_PARTIAL + pid * n_cols + cols")
+    return dx_rows.float(), dw_partial.clone()
+
+
+def _program_partials(x, dy, eps, programs: int) -> torch.Tensor:
+    """The fp32 ``[programs, n_cols]`` partial sums of ``dy * x_hat`` each program owes, in float64."""
+    n_rows = x.shape[0]
+    per = -(-n_rows // programs)
+    x64, dy64 = x.double(), dy.double()
+    terms = dy64 * x64 * torch.rsqrt(x64.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return torch.stack([terms[p * per: (p + 1) * per].sum(dim=0) for p in range(programs)]).float()
+
+
+def _check_backward(kernel, tried: str, x, weight, dy, eps, programs: int, strides) -> None:
+    n_rows, n_cols = x.shape
+    sixteen = x.dtype == torch.float16
+    dx, partial = _backward_run(kernel, tried, x, weight, dy, eps, programs, strides, POISON)
+    upcast = ("upcast every load with .to(tl.float32) and compute in fp32: with 16-bit rows dy * w overflows fp16 "
+              "(max 65504) when dy is loss-scaled")
+    if not torch.isfinite(dx).all() or not torch.isfinite(partial).all():
+        dx0, partial0 = _backward_run(kernel, tried, x, weight, dy, eps, programs, strides, 0.0)
+        where = "dx" if not torch.isfinite(dx).all() else "DW_PARTIAL"
+        if torch.isfinite(dx0).all() and torch.isfinite(partial0).all():
+            fail(tried, f"NaN in {where} (finite when the memory after each row holds 0 instead of NaN)",
+                 "finite values whatever lies beyond the rows",
+                 "the kernel reads past a row or past the last row: load with mask=cols < n_cols and other=0.0, step "
+                 "from row to row by each tensor's own row stride (not n_cols), and stop the row loop at n_rows")
+        if where == "DW_PARTIAL" and torch.isfinite(dx).all():
+            fail(tried, "NaN left in DW_PARTIAL (it arrives uninitialized)", "every program's row of DW_PARTIAL stored",
+                 "each program stores its partial sum at DW_PARTIAL + pid * n_cols + cols, zeros if it got no rows "
+                 "(with more programs than the rows need, the last ones get none)")
+        fail(tried, f"inf or NaN in {where}", "finite values",
+             upcast if sixteen else "look for a division by zero: rstd comes from RSTD, one fp32 value per row")
+    # expected: autograd through the reference RMSNorm, on fp32 copies (the kernel's math is fp32)
+    x32, w32 = x.float().requires_grad_(), weight.float().requires_grad_()
+    (_rmsnorm_expected(x32, w32, eps) * dy.float()).sum().backward()
+    scale = x32.grad.abs().max().item()
+    tol = dict(rtol=2e-3, atol=2e-3 * scale) if sixteen else dict(rtol=1e-4, atol=1e-5 * max(scale, 1.0))
+    owed = _program_partials(x, dy, eps, programs)
+    per = -(-n_rows // programs)
+    for p in range(programs):
+        if torch.allclose(partial[p], owed[p], rtol=1e-4, atol=1e-4 * owed.abs().max().item()):
+            continue
+        mine = slice(p * per, min((p + 1) * per, n_rows))
+        rows = f"rows {mine.start} to {mine.stop - 1}" if mine.start < n_rows else "no rows"
+        x64, dy64 = x[mine].double(), dy[mine].double()
+        x_hat = x64 * torch.rsqrt(x64.pow(2).mean(dim=-1, keepdim=True) + eps)
+        near = lambda wrong: wrong.numel() > 0 and torch.allclose(partial[p].double(), wrong, rtol=1e-3, atol=1e-3)
+        if near((dy64 * x64).sum(dim=0)):
+            hint = "dweight sums dy * x_hat, the NORMALIZED row x_hat = x * rstd, not dy * x"
+        elif near((dy64 * x_hat)[-1:].sum(dim=0)):
+            hint = "the partial holds only the program's last row: accumulate dw_acc += dy * x_hat over all its rows"
+        else:
+            hint = ("program pid's partial is the sum of dy * x_hat over ITS rows, pid * rows_per_program up to "
+                    "min((pid + 1) * rows_per_program, n_rows), accumulated in fp32 and stored at DW_PARTIAL + pid * "
+                    "n_cols + cols")
+        fail(tried + f" -> DW_PARTIAL row {p} (program {p}: {rows})",
+             f"{[round(v, 4) for v in partial[p][:4].tolist()]}...", f"{[round(v, 4) for v in owed[p][:4].tolist()]}...",
+             hint)
+    assert_close(dx, x32.grad, tried + " -> dx",
+                 "dx = rstd * (g - x_hat * mean(g * x_hat)) with g = dy * w and x_hat = x * rstd, the mean over the "
+                 "n_cols real entries (tl.sum / n_cols, not BLOCK_SIZE); the second term is there because every "
+                 "output of the row depends on rstd" + (". " + upcast if sixteen else ""), **tol)
+    assert_close(partial.sum(dim=0), w32.grad, tried + " -> DW_PARTIAL.sum(0)",
+                 "the partials must add up to dweight = sum over all rows of dy * x_hat", rtol=1e-4, atol=1e-4 * scale)
+
+
+def rmsnorm_backward_kernel(kernel) -> None:
+    """Grade a ``@triton.jit`` RMSNorm backward ``kernel(DY, X, W, RSTD, DX, DW_PARTIAL, dy_row_stride,
+    x_row_stride, dx_row_stride, n_rows, n_cols, rows_per_program, BLOCK_SIZE: tl.constexpr)``, launched by
+    :func:`labkit.norms.launch_rmsnorm_backward_kernel` (a program per row of ``DW_PARTIAL``, each taking
+    ``rows_per_program`` consecutive rows): dx against autograd through the reference RMSNorm, each program's row
+    of ``DW_PARTIAL`` against the sum it owes, and their sum against autograd's dweight; ragged widths, uneven row
+    counts (a program with no rows), strided rows, fp16 rows with a loss-scaled dy; NaN after every row of the
+    inputs and in the uninitialized ``DW_PARTIAL``, a sentinel around dx's rows."""
+    device = kernel_device("rmsnorm_backward_kernel")
+    if device is None:
+        return
+    expect_jit_kernel(kernel, "rmsnorm_backward_kernel")
+    gen = torch.Generator().manual_seed(6)
+    cases = _backward_cases(device, gen)
+    for what, x, weight, dy, eps, programs, strides in cases:
+        _check_backward(kernel, f"rmsnorm_backward_kernel on {what}", x, weight, dy, eps, programs, strides)
+    passed("rmsnorm_backward_kernel", f"dx and dweight match autograd on {len(cases)} launches: ragged widths 1 to "
+                                      f"257 (masked lanes), row counts that split unevenly over 2-4 programs (one with no "
+                                      f"rows), strided rows, fp32/fp16 (a loss-scaled fp16 dy), each program's partial "
+                                      f"checked; masked tails (NaN past every row, dx's padding untouched)")
