@@ -1,7 +1,7 @@
 """Block-scaled number formats (chapter 01): OCP MX, NVFP4 and DeepSeek-V3's fine-grained FP8 scaling.
 
 One scale per tensor must fit the tensor's largest entry, so an outlier pushes every ordinary
-entry towards the format's subnormals (chapter 01, section 7.2). Block scaling gives every small
+entry towards the format's subnormals (chapter 01, section 8). Block scaling gives every small
 block of consecutive values its own scale:
 
 * **OCP MX** (*OCP Microscaling Formats (MX) Specification v1.0*, 2023): 32 consecutive values
@@ -18,7 +18,7 @@ A scheme is a :class:`BlockFormat`; :data:`BLOCK_FORMATS` names them. :func:`qua
 returns the element codes and the scales (a :class:`BlockQuantized`), :func:`dequantize_blocks`
 reads them back, :func:`bits_per_value` counts the scales' bits too. The element codes come from
 :func:`labkit.formats.encode` (round to nearest even, saturating), so every element format here is
-the one the rest of the chapter decodes bit by bit. :func:`e8m0_scale` shows why an MX scale is
+the one the rest of the chapter decodes bit by bit. :func:`e8m0_exponent` shows why an MX scale is
 rounded *up* to a power of two, and :func:`simulated_accumulation` why DeepSeek-V3 copies the
 tensor cores' partial sums to fp32 every 128 products. ``labkit.kernels.block_quantize`` is the
 Triton version of :func:`quantize_blocks` (same codes and scales, bit for bit).
@@ -135,27 +135,31 @@ def element_emax(element: str | P.FloatFormat) -> int:
     return math.frexp(P.get_format(element).max)[1] - 1
 
 
-def e8m0_scale(amax, fmt: str | BlockFormat, rounding: str = "up") -> torch.Tensor:
-    """The power-of-two scale (fp32) of blocks whose largest magnitudes are ``amax``, for an MX
-    format ``fmt`` (or any block format's element type).
+def e8m0_exponent(amax, fmt: str | BlockFormat, rounding: str = "up") -> torch.Tensor:
+    """The E8M0 exponent ``e`` (int32, ``amax``'s shape and device) of blocks whose largest magnitudes
+    are ``amax``: the block's scale is ``2^e`` (:func:`e8m0_scale`). ``fmt`` is an MX format (or any block
+    format's element type, or an element format).
 
     The ideal scale ``amax / max`` (``max`` = the element format's largest value) is rarely a power
     of two, and E8M0 holds only powers of two, so it must be rounded:
 
-    * ``"up"``: ``2^ceil(log2(amax / max))``. ``amax / scale <= max``: nothing clips; the price is up to
+    * ``"up"``: ``ceil(log2(amax / max))``. ``amax / scale <= max``: nothing clips; the price is up to
       one binade of the element range left unused. NVIDIA's MXFP8 recipe (Mishra et al., *Recipes for
       Pre-training LLMs with MXFP8*, 2025) and cuBLAS's "RCEIL" compute the scale this way.
-    * ``"ocp"``: ``2^(floor(log2(amax)) - emax_elem)``, the OCP MX v1.0 conversion (§6.3). It puts
+    * ``"ocp"``: ``floor(log2(amax)) - emax_elem``, the OCP MX v1.0 conversion (§6.3). It puts
       amax in the element's top binade ``[2^emax, 2^(emax+1))``, which reaches past ``max`` when
       ``max`` is not ``2^(emax+1) - ulp`` (E2M1: 6 < 8, E4M3: 448 < 512): a block whose amax has a
       larger significand than ``max`` (E2M1: above 1.5, E4M3: above 1.75) saturates its largest
       entries to ``max`` (the spec clamps values beyond max normal when it converts the elements).
-    * ``"down"``: ``2^floor(log2(amax / max))``, the other naive rounding: ``amax / scale`` lands in
+    * ``"down"``: ``floor(log2(amax / max))``, the other naive rounding: ``amax / scale`` lands in
       ``[max, 2 max)``, so every block whose amax is not ``max`` times a power of two clips.
 
-    The exponent is computed exactly from amax's bits (no fp32 logarithm, whose rounding
-    misplaces amax values next to a power of two), then clamped to E8M0's ``-127 .. 127``. An
-    all-zero block (amax 0) gets scale 1.
+    The exponent is computed exactly from amax's bits: with ``amax = s * 2^b`` and ``max = s_max *
+    2^emax`` (significands in ``[1, 2)``), ``log2(amax / max) = b - emax + log2(s / s_max)`` and the last
+    term lies in ``(-1, 1)``, so comparing ``s`` with ``s_max`` decides the rounding. An fp32 logarithm
+    instead misplaces amax values one float above ``max * 2^k`` (``amax / max`` rounds to ``2^k``, whose
+    ceil is ``k``, not ``k + 1``). Then clamped to E8M0's ``-127 .. 127``; an all-zero block (amax 0) gets
+    exponent 0 (scale 1). (Exercise 5 of chapter 01.)
     """
     element = _element_of(fmt)
     if rounding not in ROUNDINGS:
@@ -175,7 +179,15 @@ def e8m0_scale(amax, fmt: str | BlockFormat, rounding: str = "up") -> torch.Tens
     elif rounding == "down":
         scale_exponent = scale_exponent - (significand < max_significand).long()
     scale_exponent = torch.where(amax64 > 0, scale_exponent, 0).clamp(E8M0_MIN_EXPONENT, E8M0_MAX_EXPONENT)
-    return torch.ldexp(torch.ones_like(amax64), scale_exponent.double()).float().to(amax.device)
+    return scale_exponent.to(device=amax.device, dtype=torch.int32)
+
+
+def e8m0_scale(amax, fmt: str | BlockFormat, rounding: str = "up") -> torch.Tensor:
+    """The power-of-two scale (fp32, ``amax``'s device) ``2^e8m0_exponent(amax, fmt, rounding)`` of blocks
+    whose largest magnitudes are ``amax`` (see :func:`e8m0_exponent` for the three roundings). ``2^-127``
+    is an fp32 subnormal, exactly representable."""
+    exponent = e8m0_exponent(amax, fmt, rounding)
+    return torch.ldexp(torch.ones(exponent.shape, dtype=torch.float64), exponent.cpu().double()).float().to(exponent.device)
 
 
 def e8m0_encode(scales: torch.Tensor) -> torch.Tensor:

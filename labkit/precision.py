@@ -223,6 +223,25 @@ def accumulate(start: float, update: float, steps: int, dtype: torch.dtype, mast
     return weight.to(dtype).item()
 
 
+def stochastic_round(x, fmt: str | FloatFormat, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``x`` (finite) rounded to ``fmt`` *stochastically* (float64 values): to one of the two values of
+    ``fmt`` around it, the upper one (in magnitude) with probability ``(|x| - lower) / spacing``, so that
+    the rounding is unbiased, ``E[stochastic_round(x)] = x``, where round-to-nearest always makes the same
+    error. Values of ``fmt`` stay as they are; beyond ``max`` it saturates. Used where many small
+    contributions must survive a narrow format: bf16 weights or optimizer states updated without fp32
+    master copies, and NVFP4's gradients (NVIDIA, *Pretraining LLMs with NVFP4*, 2025)."""
+    fmt = get_format(fmt)
+    x = _as_values(x, "x")
+    if not torch.isfinite(x).all():
+        raise ValueError("x: expected finite values (stochastic rounding has no neighbours for inf or NaN)")
+    magnitude = x.abs()
+    spacing = ulp(magnitude, fmt)  # a power of two: the divisions and the floor below are exact
+    lower = torch.floor(magnitude / spacing) * spacing
+    up = torch.rand(x.shape, generator=generator, dtype=torch.float64) < (magnitude - lower) / spacing
+    rounded = torch.where(up, lower + spacing, lower).clamp(max=fmt.max)
+    return torch.where(torch.signbit(x), -rounded, rounded)
+
+
 def update_scale(scale: float, growth_tracker: int, found_inf: bool, *, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000) -> tuple[float, int]:
     """One dynamic-loss-scale decision, ``(new_scale, new_growth_tracker)``.

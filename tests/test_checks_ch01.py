@@ -189,6 +189,7 @@ def test_amax_scale_rejects_realistic_mistakes(wrong, hint):
 
 # ----------------------------------------------------------------------------- unfinished answers
 @pytest.mark.parametrize("grader, unfinished", [
+    (checks.e8m0_exponent, lambda amax, element: None),
     (checks.decode_e4m3, lambda code: None),
     (checks.format_range, lambda fmt: None),
     (checks.update_scale, lambda scale, growth_tracker, found_inf, **kwargs: None),
@@ -197,6 +198,84 @@ def test_amax_scale_rejects_realistic_mistakes(wrong, hint):
 def test_a_function_that_returns_nothing_gets_a_hint_to_return(grader, unfinished):
     with pytest.raises(CheckFailed, match="returned None"):
         grader(unfinished)
+
+
+# ----------------------------------------------------------------------------- e8m0_exponent
+def exponent_from_bits(amax, element):
+    """From the float32 pattern: exponent field and mantissa field, compared with max's (subnormal amaxes all
+    clamp to -127, so their exponent field 0 needs no special case)."""
+    bits = amax.float().contiguous().view(torch.int32)
+    max_bits = torch.tensor(element.max, dtype=torch.float32).view(torch.int32).item()
+    exponent = (bits >> 23) - (max_bits >> 23) + ((bits & 0x7FFFFF) > (max_bits & 0x7FFFFF)).to(torch.int32)
+    return torch.where(amax > 0, exponent, 0).clamp(-127, 127)
+
+
+def exponent_by_frexp(amax, element, *, rounding="up", emax_shift=0, clamp=True, guard_zero=True):
+    fraction, exponent = torch.frexp(amax.double())
+    max_fraction, max_exponent = math.frexp(element.max)
+    binade, emax = exponent - 1, max_exponent - 1 + emax_shift
+    if rounding == "up":
+        e = binade - emax + (fraction > max_fraction).int()
+    elif rounding == "floor+1":  # the "ceil" that adds one also on an exact max x 2^k
+        e = binade - emax + 1 - (fraction < max_fraction).int()
+    else:  # OCP MX v1.0: floor(log2 amax) - emax
+        e = binade - emax
+    if clamp:
+        e = e.clamp(-127, 127)
+    return torch.where(amax > 0, e, 0) if guard_zero else e
+
+
+def exponent_by_log(amax, element, *, dtype=torch.float32, rounding=torch.ceil, guard_zero=True, clamp=True, as_int=True):
+    e = rounding(torch.log2(amax.to(dtype) / element.max))
+    if clamp:
+        e = e.clamp(-127, 127)
+    if guard_zero:
+        e = torch.where(amax > 0, e, 0.0)
+    return e.to(torch.int64) if as_int else e
+
+
+def test_e8m0_exponent_accepts_right_answers(capsys):
+    checks.e8m0_exponent(exponent_from_bits)
+    checks.e8m0_exponent(exponent_by_frexp)
+    checks.e8m0_exponent(lambda amax, element: B.e8m0_exponent(amax, element))
+    # the float64 logarithm of float32 amaxes is exact enough on every boundary: only the package-level grader
+    # (which refuses torch.log2, see below) rejects it, because the exercise asks for the bits
+    checks.e8m0_exponent(lambda amax, element: exponent_by_log(amax, element, dtype=torch.float64))
+    assert capsys.readouterr().out.count("✓ e8m0_exponent") == 4
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda a, el: exponent_by_log(a, el), "float32 log2 misplaces amax"),
+    (lambda a, el: exponent_by_log(a, el, dtype=torch.float64, rounding=torch.floor), "rounded down"),
+    (lambda a, el: exponent_by_frexp(a, el, rounding="ocp"), "OCP"),
+    (lambda a, el: exponent_by_frexp(a, el, rounding="floor+1"), r"ceil\(j\) = j"),
+    (lambda a, el: exponent_by_frexp(a, el, emax_shift=1), "off by -1"),
+    (lambda a, el: exponent_by_frexp(a, el, emax_shift=-1), "off by \\+1"),
+    (lambda a, el: exponent_by_frexp(a, el, clamp=False), "clamp"),
+    (lambda a, el: exponent_by_frexp(a, el, guard_zero=False), "amax 0"),
+    (lambda a, el: exponent_by_log(a, el, dtype=torch.float64, guard_zero=False), "amax 0"),
+    (lambda a, el: exponent_by_log(a, el, dtype=torch.float64, as_int=False), "integer"),
+    (lambda a, el: exponent_by_log(a.div_(el.max) * el.max, el, dtype=torch.float64), "do not change amax"),
+    (lambda a, el: exponent_from_bits(a.flatten(), el), "shape"),
+    (lambda a, el: None, "returned None|exponent is None"),
+])
+def test_e8m0_exponent_rejects_typical_mistakes(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks.e8m0_exponent(wrong)
+
+
+def test_e8m0_exponent_refuses_logarithms_and_labkits_answer():
+    from labkit import checks as graders  # the package-level grader: delegation refused
+    from labkit.checks import DelegationRefused
+
+    for answer, name in [(lambda a, el: exponent_by_log(a, el, dtype=torch.float64), "torch.log2"),
+                         (lambda a, el: torch.tensor([math.ceil(math.log2(v / el.max)) if v else 0
+                                                      for v in a.flatten().tolist()]).reshape(a.shape), "math.log2"),
+                         (lambda a, el: B.e8m0_exponent(a, el), "e8m0_exponent"),
+                         (lambda a, el: torch.frexp(B.e8m0_scale(a, el))[1] - 1, "e8m0_scale")]:
+        with pytest.raises(DelegationRefused, match=name):
+            graders.e8m0_exponent(answer)
+    graders.e8m0_exponent(exponent_from_bits)  # torch.frexp and the bits are what the exercise wants
 
 
 # ----------------------------------------------------------------------------- mx_quantize
@@ -209,16 +288,18 @@ def mx_by_hand(x, fmt, rounding="up", signed_max=False, use_emax=True, per_tenso
     amax = blocks.amax(-1) if signed_max else blocks.abs().amax(-1)
     if per_tensor:
         amax = torch.full_like(amax, amax.max().item())
-    ratio = amax / element.max if use_emax else amax
+    ratio = amax.double() / element.max if use_emax else amax.double()  # float64: exact enough for float32 amaxes
     if rounding == "up":
-        exponent = torch.ceil(torch.log2(ratio))
+        exponent = torch.ceil(torch.log2(ratio)).float()
+    elif rounding == "fp32 log":  # the log in float32: wrong one float above max x 2^k
+        exponent = torch.ceil(torch.log2(ratio.float()))
     elif rounding == "floor+1":
         exponent = torch.floor(torch.log2(ratio)) + 1
     else:  # OCP v1.0's floor(log2(amax)) - emax_elem
         exponent = torch.floor(torch.log2(amax)) - B.element_emax(element)
     if clamp:
         exponent = exponent.clamp(-127, 127)
-    scales = torch.exp2(exponent)
+    scales = torch.exp2(exponent.float())
     if guard_zero:
         scales = torch.where(amax > 0, scales, 1.0)
     scaled = blocks / scales[..., None]
@@ -226,10 +307,30 @@ def mx_by_hand(x, fmt, rounding="up", signed_max=False, use_emax=True, per_tenso
     return values.reshape(x.shape).to(x.device), scales
 
 
+def mx_from_exponents(x, fmt):
+    """The chapter's solution: exercise 5's exponents (here from the bits), then divide and round."""
+    element = B.get_block_format(fmt).element_format
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    scales = torch.exp2(exponent_from_bits(blocks.abs().amax(dim=-1), element).float())
+    values = P.round_to(blocks / scales[..., None], element, saturate=True).float()
+    return values.reshape(x.shape), scales
+
+
 def test_mx_quantize_accepts_right_answers(capsys):
     checks.mx_quantize(mx_by_hand)
+    checks.mx_quantize(mx_from_exponents)
     checks.mx_quantize(B.mx_quantize)
-    assert "✓ mx_quantize" in capsys.readouterr().out
+    assert capsys.readouterr().out.count("✓ mx_quantize") == 3
+
+
+def test_mx_quantize_rejects_the_float32_logarithm():
+    """ceil(log2(amax / max)) in float32 (the chapter's own solution before the exercise issue): right on random
+    data, wrong where amax is one float above max x 2^k."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=g)
+    assert torch.equal(mx_by_hand(x, "mxfp8_e4m3", rounding="fp32 log")[1], B.mx_quantize(x, "mxfp8_e4m3")[1])
+    with pytest.raises(CheckFailed, match="float32 log2 misplaces amax one float above"):
+        checks.mx_quantize(lambda x, fmt: mx_by_hand(x, fmt, rounding="fp32 log"))
 
 
 @pytest.mark.parametrize("mistake, hint", [

@@ -542,6 +542,11 @@ def test_relative_error_plot_follows_each_formats_overflow_rule():
     x8, y8 = e4m3.get_data()
     assert ((y8[x8 > 2**10] < 1) & (y8[x8 > 2**10] > 0.5)).all()  # E4M3 saturates at 448: |448 - x| / x < 1
     matplotlib.pyplot.close(fig)
+    fig = W.plot_relative_error(("fp16", "fp8_e5m2"), low=10, high=20, bins=40, per_bin=4)
+    fp16, e5m2 = (line for line in fig.axes[0].lines if line.get_label().startswith("fp"))
+    (x16, y16), (x5, y5) = fp16.get_data(), e5m2.get_data()
+    assert (y16[x16 > 65520] == 2**0.5).all() and (y5[x5 > 65520] == 2**1.0).all()  # two overflows, two levels
+    matplotlib.pyplot.close(fig)
 
 
 # ----------------------------------------------------------------------------- widgets (callbacks are the functions above)
@@ -576,3 +581,27 @@ def test_cast_explorer_and_figures(capsys):
     for fig in (W.draw_bit_layouts(), W.plot_value_ranges(), W.plot_relative_error(bins=20, per_bin=8),
                 W.plot_gradient_magnitudes(torch.randn(1000) * 1e-6)):
         matplotlib.pyplot.close(fig)
+
+
+# ----------------------------------------------------------------------------- stochastic rounding
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1"])
+def test_stochastic_round_lands_on_a_neighbour_and_is_unbiased(fmt):
+    g = torch.Generator().manual_seed(0)
+    f = P.get_format(fmt)
+    x = (torch.rand(1000, generator=g, dtype=torch.float64) * 2 - 1) * f.max * 0.9
+    x = torch.cat([x, x * 2.0**-20, P.round_to(x, fmt)])  # subnormals too, and values already in the format
+    samples = torch.stack([P.stochastic_round(x, fmt, g) for _ in range(200)])
+    assert torch.equal(P.round_to(samples, fmt), samples)  # every result is a value of the format
+    spacing = P.ulp(x, fmt)
+    assert ((samples - x).abs() < spacing).all()  # one of the two neighbours
+    exact = P.round_to(x, fmt) == x
+    assert (samples[:, exact] == x[exact]).all()  # representable values stay put
+    mean_error = (samples.mean(0) - x) / spacing  # unbiased: the mean error shrinks like 1/sqrt(samples)
+    assert mean_error.abs().max() < 0.25 and mean_error.mean().abs() < 0.01
+
+
+def test_stochastic_round_saturates_and_refuses_non_finite_values():
+    assert P.stochastic_round(torch.tensor([500.0, -1e4]), "fp8_e4m3").tolist() == [448.0, -448.0]
+    assert P.stochastic_round(torch.tensor([-0.0, 0.0]), "bf16").tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="finite"):
+        P.stochastic_round(torch.tensor([math.inf]), "bf16")

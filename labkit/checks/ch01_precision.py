@@ -1,5 +1,5 @@
 """Chapter 01 graders: decode an FP8 byte, the range of a format, one loss-scale decision, an FP8 scale,
-MX block quantization."""
+the shared E8M0 exponent of a block, MX block quantization."""
 from __future__ import annotations
 
 import math
@@ -9,9 +9,10 @@ import torch
 
 from labkit import block_formats as B
 from labkit import precision as P
-from labkit.checks._core import call, call_on_copies, call_twice, expect_device, expect_dtype, fail, other_device, passed
+from labkit.checks._core import (as_tensor, call, call_on_copies, call_twice, expect_device, expect_dtype, fail, other_device,
+                                passed, same_values)
 
-__all__ = ["decode_e4m3", "format_range", "update_scale", "amax_scale", "mx_quantize"]
+__all__ = ["decode_e4m3", "format_range", "update_scale", "amax_scale", "e8m0_exponent", "mx_quantize"]
 
 
 NO_RETURN_HINT = "your function returned None: replace the placeholder with your code and `return` the result"
@@ -230,6 +231,128 @@ def amax_scale(fn) -> None:
                         "with margin, zeros, inf/NaN entries and tiny or huge values")
 
 
+# ----------------------------------------------------------------------------- the E8M0 exponent of a block
+def _boundaries(element: P.FloatFormat) -> torch.Tensor:
+    """Every float32 ``max * 2^k`` (k from -150 to 127) with its two float32 neighbours: where a logarithm's
+    rounding puts ``amax`` in the wrong binade."""
+    k = torch.arange(-150, 128, dtype=torch.float64)
+    exact = (element.max * torch.exp2(k)).float()
+    exact = exact[torch.isfinite(exact) & (exact > 0)]
+    around = torch.stack([torch.nextafter(exact, torch.tensor(0.0)), exact, torch.nextafter(exact, torch.tensor(math.inf))], -1)
+    around = around.flatten()
+    return around[torch.isfinite(around)]
+
+
+def _e8m0_cases(g: torch.Generator) -> list[tuple[torch.Tensor, P.FloatFormat, str]]:
+    """(amax, element format, what the case is about), the basic mistakes first."""
+    def spread(*shape):
+        return (torch.rand(*shape, generator=g) + 0.5) * torch.exp2(torch.randint(-40, 40, shape, generator=g).float())
+
+    elements = [B.get_block_format(name).element_format for name in B.MX_FORMATS]
+    e4m3, e2m1 = P.get_format("fp8_e4m3"), P.get_format("fp4_e2m1")
+    with_zeros = spread(3, 16)
+    with_zeros[0, :4], with_zeros[2, 7] = 0.0, 0.0
+    cases = [(spread(4, 8), e4m3, "block amaxes of E4M3 blocks (a 4x8 tensor)"),
+             (torch.tensor([6.0, 7.0, 12.0, 3.0, 6.5, 1.0]), e2m1, "E2M1 amaxes on and off max x 2^k")]
+    cases += [(spread(2, 5, 3), element, f"{element.name} amaxes (rank 3)") for element in elements]
+    cases += [(_boundaries(element), element, f"every max x 2^k of {element.name} and the float32 just below and just "
+                                              "above it (from 2^-150 to 3e38)") for element in elements]
+    cases += [(with_zeros, e4m3, "amax 0 (all-zero blocks) among others"),
+              (torch.tensor([1e-38, 1e-40, 1.4e-45, 2.0**-126, 0.0]), e2m1, "float32 subnormal and tiny amaxes"),
+              (torch.tensor([3.4028235e38, 1e38, 2.0**127]), e2m1, "the largest float32 amaxes"),
+              (torch.tensor(448.0 * 2.0**-130), e4m3, "a 0-d amax below E8M0's range")]
+    device = other_device(None)
+    if device is not None:
+        cases.append((spread(8, 4).to(device), e4m3, f"amax on {device}"))
+    return cases
+
+
+E8M0_RULE = ("e = ceil(log2(amax / max)) of the exact ratio: with amax = s * 2^b and max = s_max * 2^emax (s, s_max in "
+             "[1, 2)), e = b - emax + (1 if s > s_max else 0); then clamp to [-127, 127], and 0 for amax 0")
+
+
+def _e8m0_hint(amax: torch.Tensor, element: P.FloatFormat, got: torch.Tensor) -> str:
+    """Name the mistake that produces ``got``, if it is one of the typical ones; else the rule."""
+    expected = B.e8m0_exponent(amax, element).long()
+    got = got.long()
+    positive = amax > 0
+    ratio = amax / element.max
+
+    def same(candidate):
+        return torch.equal(candidate.where(positive, 0).long(), got.where(positive, 0))
+
+    if torch.equal(got[positive], expected[positive]) and not torch.equal(got, expected):
+        return "amax 0 (an all-zero block) has no logarithm: give it exponent 0 (scale 1), not -127 and not garbage"
+    fp32_log = torch.ceil(torch.log2(ratio)).clamp(-127, 127)
+    if same(fp32_log):
+        return ("a float32 log2 misplaces amax one float above max x 2^k: amax / max rounds to 2^k (or log2 rounds to k) "
+                "and the ceil gives k instead of k + 1. Compute e from amax's bits instead: " + E8M0_RULE)
+    if same(B.e8m0_exponent(amax, element, "ocp")):
+        return ("that is OCP's floor(log2(amax)) - emax, which lets amax / scale exceed max (those entries clip); this "
+                "chapter rounds the scale UP: the smallest e with amax / 2^e <= max")
+    exact = positive & (ratio.double() == torch.exp2(torch.round(torch.log2(ratio.double()))))
+    differ = got != expected
+    if differ.any() and (differ <= exact).all() and torch.equal(got[differ], expected[differ] + 1):
+        return ("where amax / max is exactly a power of two 2^j, e is j itself (ceil(j) = j): floor(...) + 1 is one too "
+                "large there; compare the significands with > (not >=)")
+    emax_rule = ("emax is floor(log2(max)) (E4M3 8, E5M2 15, E3M2 4, E2M3 2, E2M1 2; math.frexp(max) gives it exactly, "
+                 "but its mantissa lies in [0.5, 1), so emax = exponent - 1)")
+    shift = (got - expected)[positive & (expected > -127) & (expected < 127)]
+    offset = int(shift[0]) if shift.numel() and (shift == shift[0]).all() else 0
+    if offset in (-1, 1):
+        if offset == -1:
+            return ("every exponent is off by -1: either rounded down (floor where the rule says ceil: amax / 2^e then "
+                    f"exceeds max and clips) or emax one too large: {emax_rule}")
+        return f"every exponent is off by +1: emax one too small, or one added on top of the ceil: {emax_rule}"
+    if same(B.e8m0_exponent(amax, element, "down")) or same(torch.floor(torch.log2(ratio.double())).clamp(-127, 127)):
+        return ("rounded down: amax / 2^e is then above max and the block's largest entries clip; round UP, the smallest e "
+                "with amax / 2^e <= max")
+    if offset:
+        return f"every exponent is off by {offset:+d}: {emax_rule}"
+    if ((got < -127) | (got > 127)).any():
+        return "E8M0 exponents run from -127 to 127 only: clamp (2^-127, E8M0's smallest scale, is a float32 subnormal)"
+    return E8M0_RULE
+
+
+def e8m0_exponent(fn) -> None:
+    """Grade ``fn(amax, element) -> exponent``: the shared E8M0 exponent ``e`` of MX blocks whose largest
+    magnitudes are ``amax`` (a float32 tensor, any shape, finite and >= 0), for the element format ``element``
+    (a FloatFormat: E4M3, E5M2, E3M2, E2M3, E2M1). ``e = ceil(log2(amax / element.max))`` of the exact ratio,
+    clamped to ``[-127, 127]``, and 0 where amax is 0: an integer tensor (int32 or int64) of amax's shape on
+    amax's device, compared with :func:`labkit.block_formats.e8m0_exponent` on every ``max * 2^k`` boundary
+    and the float32 on either side of it."""
+    g = torch.Generator().manual_seed(8)
+    cases = _e8m0_cases(g)
+    for amax, element, about in cases:
+        where = f" on {amax.device}" if amax.device.type != "cpu" else ""
+        tried = f"e8m0_exponent(amax of shape {tuple(amax.shape)}{where}, {element.name} with max {element.max:g}): {about}"
+        mutation_hint = "do not change amax (amax.abs_(), amax /= max, ...): work on a copy"
+        got = call_on_copies(fn, tried, amax, element, mutation_hint=mutation_hint)
+        if got is None:
+            fail(tried, None, "an integer tensor of exponents", NO_RETURN_HINT)
+        got = as_tensor(got, tried)
+        again = call_on_copies(fn, tried + " (called a second time)", amax, element, mutation_hint=mutation_hint)
+        if not (isinstance(again, torch.Tensor) and same_values(got.detach(), again.detach())):
+            fail(tried + " (called twice)", "a different exponent on the second call", "the same result for the same input",
+                 "does your function keep state between calls, or depend on randomness?")
+        if got.shape != amax.shape:
+            fail(tried, f"exponent of shape {tuple(got.shape)}", f"shape {tuple(amax.shape)}", "one exponent per amax: keep amax's shape")
+        if got.dtype not in (torch.int32, torch.int64):
+            fail(tried, f"exponent of dtype {got.dtype}", "an integer tensor (torch.int32 or torch.int64)",
+                 "the exponent is an integer: return it as int32 or int64 (.to(torch.int32)), not as a float or a bool")
+        expect_device(got, amax.device, "exponent", tried)
+        expected = B.e8m0_exponent(amax, element).cpu()
+        got_cpu = got.detach().cpu()
+        if not torch.equal(got_cpu.long(), expected.long()):
+            bad = tuple((got_cpu.long() != expected.long()).nonzero()[0].tolist()) if got_cpu.dim() else ()
+            value = amax.cpu()[bad].item()
+            fail(tried, f"exponent {int(got_cpu[bad])} for amax {value!r} ({value / element.max!r} x max)",
+                 f"{int(expected[bad])}", _e8m0_hint(amax.cpu(), element, got_cpu))
+    passed("e8m0_exponent", f"exact E8M0 exponents on {len(cases)} cases: every MX element format, every max x 2^k from "
+                            "2^-150 to 3e38 and the float32 on either side of it, zeros, subnormal and huge amaxes, "
+                            "clamped to [-127, 127]")
+
+
 # ----------------------------------------------------------------------------- MX block quantization
 MX_ROUND_UP_HINT = ("round the scale UP to a power of two: scale = 2^ceil(log2(amax / max)) with max the element "
                     "format's largest value; a smaller power of two makes amax / scale exceed max, and those entries clip")
@@ -256,6 +379,8 @@ def _mx_cases(g: torch.Generator) -> list[tuple[torch.Tensor, str, str]]:
     cases += [(spread(rows, 32 * blocks), name, f"{name}, {rows} rows of {blocks} blocks")
               for name, rows, blocks in [("mxfp8_e5m2", 5, 3), ("mxfp6_e3m2", 2, 4), ("mxfp6_e2m3", 6, 2)]]
     cases += [(boundary, name, "blocks whose amax is exactly the element max times a power of two") for name in B.MX_FORMATS]
+    cases += [(_boundary_blocks(name, g), name, "one block per max x 2^k and per float32 just below and just above it")
+              for name in B.MX_FORMATS]
     cases += [(zeros, "mxfp6_e2m3", "a rank-3 tensor with an all-zero block (its scale is 1)"),
               (spread(3, 2, 5, 96).bfloat16(), "mxfp8_e4m3", "a rank-4 bf16 tensor"),
               (spread(7, 160).half(), "mxfp4_e2m1", "an fp16 tensor"),
@@ -263,6 +388,17 @@ def _mx_cases(g: torch.Generator) -> list[tuple[torch.Tensor, str, str]]:
               (spread(2, 64) * 1e30, "mxfp8_e4m3", "huge values (|x| ~ 1e30)"),
               (tiny, "mxfp8_e4m3", "a block so small that amax / max < 2^-127")]
     return cases
+
+
+def _boundary_blocks(fmt: str, g: torch.Generator) -> torch.Tensor:
+    """One block of 32 per amax of :func:`_boundaries` (k from -120 to 120): the amax entry, with a random sign, at a
+    random place, and 31 smaller entries."""
+    amax = _boundaries(B.get_block_format(fmt).element_format)
+    amax = amax[(amax > 2.0**-120) & (amax < 2.0**120)]
+    blocks = amax[:, None] * (torch.rand(amax.numel(), 32, generator=g) * 1.8 - 0.9)
+    place = torch.randint(0, 32, (amax.numel(), 1), generator=g)
+    sign = torch.where(torch.rand(amax.numel(), 1, generator=g) < 0.5, -1.0, 1.0)
+    return blocks.scatter(1, place, sign * amax[:, None])
 
 
 def _mx_scale_hint(x: torch.Tensor, fmt: str, got: torch.Tensor) -> str:
@@ -276,11 +412,16 @@ def _mx_scale_hint(x: torch.Tensor, fmt: str, got: torch.Tensor) -> str:
     def same(candidate):
         return candidate.shape == got.shape and torch.equal(candidate.to(got.dtype), got.detach().cpu())
 
+    fp32_log = torch.exp2(torch.ceil(torch.log2(amax / element.max)).clamp(-127, 127)).where(amax > 0, 1.0)
+    if same(fp32_log):
+        return ("a float32 log2 misplaces amax one float above max x 2^k (amax / max rounds to 2^k, whose ceil is k, "
+                "not k + 1): take the exponent exactly from amax's bits, as your e8m0_exponent of exercise 5 does")
     if same(B.e8m0_scale(amax, f, "ocp")) or same(B.e8m0_scale(amax, f, "down")):
         return MX_ROUND_UP_HINT
     if same(B.e8m0_scale(signed_max, f)):
         return "amax is the largest MAGNITUDE in the block: take x.abs() before the max (a negative entry can be the largest)"
-    if same(torch.exp2(torch.ceil(torch.log2(amax))).where(amax > 0, 1.0)) or same(B.e8m0_scale(amax * element.max, f)):
+    if same(torch.exp2(torch.ceil(torch.log2(amax))).where(amax > 0, 1.0)) or (
+            torch.isfinite(amax * element.max).all() and same(B.e8m0_scale(amax * element.max, f))):
         return (f"divide amax by the element format's max ({element.max:g} for {element.name}) before taking log2, so "
                 "that amax / scale lands at the top of the element range, not at 1")
     if got.numel() and torch.unique(got).numel() == 1 and torch.unique(B.e8m0_scale(amax, f)).numel() > 1:
@@ -341,4 +482,5 @@ def mx_quantize(fn) -> None:
             fail(tried, f"values{tuple(bad.tolist())} = {got_values[tuple(bad)].item():.6g}",
                  f"{ref_values.cpu()[tuple(bad)].item():.6g} (x = {x.float().cpu()[tuple(bad)].item():.6g}, scale {scale:.6g})", hint)
     passed("mx_quantize", f"scales and element values bit for bit on {len(cases)} cases: every MX element format, "
-                          "fp32/bf16/fp16, rank 1 to 4, negative, exact-boundary, all-zero, tiny and huge blocks")
+                          "fp32/bf16/fp16, rank 1 to 4, negative, all-zero, tiny and huge blocks, and amax on, just "
+                          "below and just above every max x 2^k")

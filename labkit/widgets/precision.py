@@ -75,26 +75,32 @@ def plot_relative_error(formats=("fp16", "bf16", "fp8_e4m3", "fp8_e5m2"), low: f
     each format's own overflow rule (the cast of section 3): flat at eps/2 through the normal
     range, growing through the subnormals to 1 (underflow to 0) on the left; past max E4M3 and
     the MX elements saturate (the error climbs towards 1) while IEEE formats overflow to inf,
-    drawn as a flat line at the top edge marked "inf"."""
+    drawn as a flat line above the top of the finite errors, one level per format (fp16 and E5M2
+    overflow at nearly the same |x|, 65520 and 61440, so on one level their lines would coincide)."""
     x = torch.exp2(torch.linspace(low, high, bins * per_bin, dtype=torch.float64))
     centers = x.view(bins, per_bin)[:, per_bin // 2]
-    inf_level = 2.0**0.5  # where an infinite error is drawn, just under the top of the axis
+    inf_levels = iter(2.0 ** (0.5 + 0.5 * k) for k in range(len(formats)))  # where an infinite error is drawn
+    top = 2.0**0.5
     fig, ax = plt.subplots(figsize=(9, 3.8))
     for name in formats:
         fmt = P.get_format(name)
         rounded = P.round_to(x, fmt)
+        overflows = bool(torch.isinf(rounded).any())
+        inf_level = next(inf_levels) if overflows else top
         error = torch.where(torch.isinf(rounded), inf_level, (rounded - x).abs() / x)
         worst = error.view(bins, per_bin).amax(dim=1)
         overflow = "overflows to inf" if fmt.has_inf else "saturates at max"
         (line,) = ax.plot(centers.numpy(), worst.numpy(), lw=1.2, label=f"{name} (eps/2 = 2^{-fmt.mantissa_bits - 1}, {overflow})")
+        if overflows:
+            top = max(top, inf_level)
+            ax.axhline(inf_level, color=line.get_color(), lw=0.6, alpha=0.5)
+            ax.text(2.0**low, inf_level, f" {name}: inf (overflow)", va="bottom", fontsize=7, color=line.get_color())
         for edge, style in ((fmt.min_normal, ":"), (fmt.max, "--")):
             if 2.0**low <= edge <= 2.0**high:
                 ax.axvline(edge, color=line.get_color(), ls=style, lw=0.8)
-    ax.axhline(inf_level, color="0.5", lw=0.6)
-    ax.text(2.0**low, inf_level, " inf (overflow)", va="bottom", fontsize=7, color="0.4")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
-    ax.set_ylim(2**-13, 2)
+    ax.set_ylim(2**-13, top * 2**0.4)
     ax.set_xlabel("|x|  (dotted: min normal, dashed: max)")
     ax.set_ylabel("worst relative rounding error")
     ax.set_title("Precision is relative; the range has edges")
