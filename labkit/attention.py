@@ -34,10 +34,16 @@ def online_softmax_update(running_max, running_sum, acc, scores, values):
     When the max grows, everything accumulated so far was exponentiated against the old max,
     so it is rescaled by ``exp(old_max - new_max)``; at the end ``acc / running_sum`` is exactly
     ``softmax(all scores) @ all values``.
+
+    A row whose keys so far are all masked keeps the state ``(-inf, 0, 0)``: its exponents are shifted
+    by 0 instead of its max, since ``exp(-inf - -inf)`` is NaN. A row masked in every block ends
+    with ``running_sum == 0`` and ``acc == 0``; what its output is, the caller decides (FlashAttention
+    kernels write 0 and ``lse = -inf``).
     """
     new_max = torch.maximum(running_max, scores.amax(dim=-1))
-    correction = torch.exp(running_max - new_max)
-    p = torch.exp(scores - new_max[..., None])
+    shift = torch.where(torch.isneginf(new_max), torch.zeros_like(new_max), new_max)
+    correction = torch.exp(running_max - shift)
+    p = torch.exp(scores - shift[..., None])
     new_sum = running_sum * correction + p.sum(dim=-1)
     new_acc = acc * correction[..., None] + p @ values
     return new_max, new_sum, new_acc
@@ -50,7 +56,9 @@ def flash_attention_torch(q, k, v, causal: bool = False, block_q: int = 64, bloc
     ``[B, Hkv, Nk, D]``, bottom-right causal mask, ``lse`` fp32 ``[B, Hq, Nq]``), but written
     for reading: for each block of ``block_q`` queries, walk the key blocks, folding each into
     the running max / sum / accumulator with :func:`online_softmax_update`. At most a
-    ``block_q x block_k`` tile of scores exists at any time. Math in fp32 (fp64 for fp64 input).
+    ``block_q x block_k`` tile of scores exists at any time, and K/V are read in place: the query
+    heads are grouped as ``[B, Hkv, group, Nq, D]`` and each K/V tile broadcasts over its group.
+    Math in fp32 (fp64 for fp64 input).
     """
     _check_qkv(q, k, v)
     for name, value in (("block_q", block_q), ("block_k", block_k)):
@@ -61,29 +69,58 @@ def flash_attention_torch(q, k, v, causal: bool = False, block_q: int = 64, bloc
         raise ValueError(f"causal=True with Nq={num_q} > Nk={num_k}: bottom-right alignment leaves the first queries no key")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     compute = torch.promote_types(q.dtype, torch.float32)
-    group = q.shape[1] // k.shape[1]
-    k, v = k.to(compute).repeat_interleave(group, dim=1), v.to(compute).repeat_interleave(group, dim=1)
-    out = torch.empty(q.shape, dtype=compute, device=q.device)
-    lse = torch.empty(q.shape[:-1], dtype=compute, device=q.device)
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    # query head h = g * group + i reads K/V head g: a [B, Hkv, group, ...] view, each K/V tile broadcast over i
+    grouped_q = q.unflatten(1, (num_kv_heads, num_heads // num_kv_heads))
+    out = torch.empty(grouped_q.shape, dtype=compute, device=q.device)
+    lse = torch.empty(grouped_q.shape[:-1], dtype=compute, device=q.device)
     offset = num_k - num_q  # bottom-right: query i sees keys j <= i + offset
     for q_start in range(0, num_q, block_q):
         q_end = min(q_start + block_q, num_q)
-        q_block = q[:, :, q_start:q_end].to(compute)
+        q_block = grouped_q[..., q_start:q_end, :].to(compute)
         running_max = torch.full(q_block.shape[:-1], float("-inf"), dtype=compute, device=q.device)
         running_sum = torch.zeros_like(running_max)
         acc = torch.zeros_like(q_block)
         last_key = min(num_k, q_end + offset) if causal else num_k  # later key blocks are fully masked
         for k_start in range(0, last_key, block_k):
             k_end = min(k_start + block_k, num_k)
-            scores = q_block @ k[:, :, k_start:k_end].transpose(-2, -1) * scale
+            k_tile, v_tile = (t[:, :, None, k_start:k_end].to(compute) for t in (k, v))  # [B, Hkv, 1, keys, D]
+            scores = q_block @ k_tile.transpose(-2, -1) * scale
             if causal:
                 rows = torch.arange(q_start, q_end, device=q.device)[:, None]
                 cols = torch.arange(k_start, k_end, device=q.device)[None, :]
                 scores = scores.masked_fill(cols > rows + offset, float("-inf"))
-            running_max, running_sum, acc = online_softmax_update(running_max, running_sum, acc, scores, v[:, :, k_start:k_end])
-        out[:, :, q_start:q_end] = acc / running_sum[..., None]
-        lse[:, :, q_start:q_end] = running_max + torch.log(running_sum)
-    return out.to(q.dtype), lse
+            running_max, running_sum, acc = online_softmax_update(running_max, running_sum, acc, scores, v_tile)
+        out[..., q_start:q_end, :] = acc / running_sum[..., None]
+        lse[..., q_start:q_end] = running_max + torch.log(running_sum)
+    return out.view(q.shape).to(q.dtype), lse.view(q.shape[:-1])
+
+
+def split_k_attention(q, k, v, num_splits: int, scale: float | None = None):
+    """Decode-time attention split over the keys (split-K, "Flash-Decoding"): ``(out, lse)`` like
+    :func:`flash_attention_torch` without a mask (the few new queries see the whole cache).
+
+    The cache's ``Nk`` keys are cut into ``num_splits`` chunks; each chunk's attention is computed on its own (on a
+    GPU: by its own programs, so one query per sequence still fills the machine), giving a partial output
+    ``o_i`` (normalised within the chunk) and its log-sum-exp ``lse_i``. They combine exactly:
+    ``lse = logsumexp_i(lse_i)`` and ``out = sum_i exp(lse_i - lse) o_i``. K/V are read in place (GQA by
+    broadcasting each K/V head over its query heads)."""
+    _check_qkv(q, k, v)
+    if not isinstance(num_splits, int) or not 1 <= num_splits <= k.shape[-2]:
+        raise ValueError(f"num_splits={num_splits!r}: expected an integer from 1 to the number of keys ({k.shape[-2]})")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    compute = torch.promote_types(q.dtype, torch.float32)
+    grouped_q = q.unflatten(1, (k.shape[1], q.shape[1] // k.shape[1])).to(compute)  # [B, Hkv, group, Nq, D]
+    partial_out, partial_lse = [], []
+    for keys in torch.arange(k.shape[-2], device=q.device).tensor_split(num_splits):
+        scores = grouped_q @ k[:, :, None, keys].to(compute).transpose(-2, -1) * scale
+        chunk_lse = torch.logsumexp(scores, dim=-1)
+        partial_out.append(torch.exp(scores - chunk_lse[..., None]) @ v[:, :, None, keys].to(compute))
+        partial_lse.append(chunk_lse)
+    lse_parts = torch.stack(partial_lse)
+    lse = torch.logsumexp(lse_parts, dim=0)
+    out = (torch.exp(lse_parts - lse)[..., None] * torch.stack(partial_out)).sum(0)
+    return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
 
 
 def _check_qkv(q, k, v) -> None:
@@ -103,6 +140,16 @@ def plain_attention(q, k, v, causal: bool = False) -> torch.Tensor:
     group = q.shape[1] // k.shape[1]
     mask = causal_mask(q.shape[-2], k.shape[-2], device=q.device) if causal else None
     return scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), mask)
+
+
+def standard_attention_traffic(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int,
+                               element_size: int) -> dict[str, int]:
+    """Bytes standard attention moves to and from HBM, ``{"loaded", "stored"}`` (the FlashAttention paper's
+    Algorithm 0): load Q and K, store ``S = QK^T``; load S, store ``P = softmax(S)``; load P and V, store O.
+    The two ``[Nq, Nk]`` matrices cross HBM twice each."""
+    scores = batch * heads * seq_q * seq_k
+    queries, keys = batch * heads * seq_q * head_dim, batch * heads * seq_k * head_dim
+    return dict(loaded=(queries + 2 * keys + 2 * scores) * element_size, stored=(2 * scores + queries) * element_size)
 
 
 def saved_for_backward_bytes(fn, *inputs) -> int:

@@ -91,6 +91,22 @@ def test_online_softmax_update_over_two_blocks_equals_softmax():
     torch.testing.assert_close(m + s.log(), torch.logsumexp(scores, -1))
 
 
+def test_online_softmax_update_survives_a_fully_masked_first_block_and_a_row_masked_everywhere():
+    gen = torch.Generator().manual_seed(2)
+    scores = torch.randn(3, 8, generator=gen, dtype=torch.float64)
+    values = torch.randn(8, 2, generator=gen, dtype=torch.float64)
+    scores[0, :4] = float("-inf")  # row 0: its first block entirely masked, its second not
+    scores[1] = float("-inf")      # row 1: masked in every block
+    state = (torch.full((3,), float("-inf"), dtype=torch.float64), torch.zeros(3, dtype=torch.float64),
+             torch.zeros(3, 2, dtype=torch.float64))
+    after_first = online_softmax_update(*state, scores[:, :4], values[:4])
+    assert after_first[0][0] == float("-inf") and after_first[1][0] == 0 and (after_first[2][0] == 0).all()
+    m, s, acc = online_softmax_update(*after_first, scores[:, 4:], values[4:])
+    assert torch.isfinite(s).all() and torch.isfinite(acc).all()
+    torch.testing.assert_close(acc[[0, 2]] / s[[0, 2], None], torch.softmax(scores[[0, 2]], -1) @ values)
+    assert m[1] == float("-inf") and s[1] == 0 and (acc[1] == 0).all()
+
+
 # ----------------------------------------------------------------------------- memory of attention
 def test_flash_saves_only_output_and_lse_while_plain_attention_saves_n_squared():
     from labkit.kernels.flash_attention import flash_attention
@@ -386,3 +402,19 @@ def test_saved_for_backward_bytes_needs_leaf_inputs():
     q = torch.randn(1, 1, 4, 8, requires_grad=True) * 2  # not a leaf: the meter would count it
     with pytest.raises(ValueError, match="inputs\\[0\\]"):
         saved_for_backward_bytes(lambda t: t.exp(), q)
+
+
+def test_split_k_attention_combines_its_chunks_exactly():
+    from labkit.attention import split_k_attention
+
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 8, 1, 16, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 301, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    expected = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    scores = (q.unflatten(1, (2, 4)) @ k[:, :, None].transpose(-2, -1) / 4).flatten(1, 2)
+    for splits in (1, 7, 301):
+        out, lse = split_k_attention(q, k, v, splits)
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
+    with pytest.raises(ValueError, match="num_splits"):
+        split_k_attention(q, k, v, 0)

@@ -84,22 +84,27 @@ def test_online_softmax_update_accepts_reference(capsys):
     assert "online_softmax_update" in capsys.readouterr().out
 
 
+def _pivot(new_m):
+    """The shift the mistakes below use (so that each has one mistake): 0 where a row has seen no key yet."""
+    return new_m.nan_to_num(neginf=0.0)
+
+
 def _no_acc_rescale(m, s, acc, scores, values):
     new_m = torch.maximum(m, scores.amax(-1))
-    p = torch.exp(scores - new_m[..., None])
-    return new_m, s * torch.exp(m - new_m) + p.sum(-1), acc + p @ values
+    p = torch.exp(scores - _pivot(new_m)[..., None])
+    return new_m, s * torch.exp(m - _pivot(new_m)) + p.sum(-1), acc + p @ values
 
 
 def _no_sum_rescale(m, s, acc, scores, values):
     new_m = torch.maximum(m, scores.amax(-1))
-    p = torch.exp(scores - new_m[..., None])
-    return new_m, s + p.sum(-1), acc * torch.exp(m - new_m)[..., None] + p @ values
+    p = torch.exp(scores - _pivot(new_m)[..., None])
+    return new_m, s + p.sum(-1), acc * torch.exp(m - _pivot(new_m))[..., None] + p @ values
 
 
 def _block_max_only(m, s, acc, scores, values):
     new_m = scores.amax(-1)
-    p = torch.exp(scores - new_m[..., None])
-    c = torch.exp(m - new_m)
+    p = torch.exp(scores - _pivot(new_m)[..., None])
+    c = torch.exp(m - _pivot(new_m))
     return new_m, s * c + p.sum(-1), acc * c[..., None] + p @ values
 
 
@@ -117,9 +122,24 @@ def plain_update(m, s, acc, scores, values):
     """An independent right answer: the new max first, then both rescaled with one factor."""
     block_max = scores.max(dim=-1).values
     new_m = torch.where(block_max > m, block_max, m)
-    alpha = (m - new_m).exp()
-    weights = (scores - new_m.unsqueeze(-1)).exp()
+    pivot = new_m.nan_to_num(neginf=0.0)  # rows that have seen no key yet: exp(-inf - 0) = 0
+    alpha = (m - pivot).exp()
+    weights = (scores - pivot.unsqueeze(-1)).exp()
     return new_m, alpha * s + weights.sum(-1), alpha.unsqueeze(-1) * acc + torch.matmul(weights, values)
+
+
+def _unguarded(m, s, acc, scores, values):  # the textbook update: NaN from exp(-inf - -inf)
+    new_m = torch.maximum(m, scores.amax(-1))
+    c = torch.exp(m - new_m)
+    p = torch.exp(scores - new_m[..., None])
+    return new_m, s * c + p.sum(-1), acc * c[..., None] + p @ values
+
+
+def _guards_only_the_correction(m, s, acc, scores, values):  # alpha made 0 for an empty state, p left NaN
+    new_m = torch.maximum(m, scores.amax(-1))
+    c = torch.where(torch.isneginf(m), torch.zeros_like(m), torch.exp(m - new_m))
+    p = torch.exp(scores - new_m[..., None])
+    return new_m, s * c + p.sum(-1), acc * c[..., None] + p @ values
 
 
 def test_online_softmax_update_accepts_an_independent_solution(capsys):
@@ -138,15 +158,15 @@ def _updates_state_in_place(m, s, acc, scores, values):
 
 def _overflows(m, s, acc, scores, values):  # shifts by the block max only after exponentiating
     new_m = torch.maximum(m, scores.amax(-1))
-    p = torch.exp(scores) * torch.exp(-new_m)[..., None]
-    c = torch.exp(m - new_m)
+    p = torch.exp(scores) * torch.exp(-_pivot(new_m))[..., None]
+    c = torch.exp(m - _pivot(new_m))
     return new_m, s * c + p.sum(-1), acc * c[..., None] + p @ values
 
 
 def _first_batch_only(m, s, acc, scores, values):  # written for [B, q, k]: amax over dim 2
     new_m = torch.maximum(m, scores.amax(dim=2) if scores.dim() == 3 else scores.amax(dim=2)[..., 0, :])
-    c = torch.exp(m - new_m)
-    p = torch.exp(scores - new_m[..., None])
+    c = torch.exp(m - _pivot(new_m))
+    p = torch.exp(scores - _pivot(new_m)[..., None])
     return new_m, s * c + p.sum(-1), acc * c[..., None] + p @ values
 
 
@@ -161,12 +181,14 @@ def _float64_always(m, s, acc, scores, values):
         (_no_sum_rescale, "rescale the old sum"),
         (_block_max_only, "new max is max"),
         (_unshifted, "overflow|rescale"),
-        (_normalised_each_block, "rescale the old acc"),
+        (_normalised_each_block, "rescale the old acc|divide by the sum only once"),
         (lambda m, s, acc, scores, values: (m, s), "return new_max"),
         (_updates_state_in_place, "return new tensors"),
         (_overflows, "709.8"),
         (_first_batch_only, "RuntimeError"),
         (_float64_always, "dtype"),
+        (_unguarded, "only masked keys(.|\n)*shift the exponents by 0"),
+        (_guards_only_the_correction, "only masked keys"),
     ],
 )
 def test_online_softmax_update_rejects_typical_mistakes(wrong, hint):
@@ -176,13 +198,18 @@ def test_online_softmax_update_rejects_typical_mistakes(wrong, hint):
 
 # ----------------------------------------------------------------------------- flash_attention_torch
 def learner_flash(q, k, v, causal=False, block_q=64, block_k=64, scale=None, *, top_left=False, rescale_acc=True,
-                  lse_without_max=False, ignore_scale=False, tile_heads=False, out_fp32=False, full_matrix=False,
-                  in_place=False):
+                  lse_without_max=False, ignore_scale=False, tile_heads=False, copy_heads=False, out_fp32=False,
+                  full_matrix=False, in_place=False):
     """A learner's FlashAttention-2 forward written from the chapter's description; the keywords inject mistakes."""
     num_q, num_k, dim = q.shape[-2], k.shape[-2], q.shape[-1]
+    shape, dtype = q.shape, q.dtype
     scale = 1 / dim**0.5 if scale is None or ignore_scale else scale
     group = q.shape[1] // k.shape[1]
-    k, v = ((t.repeat(1, group, 1, 1) if tile_heads else t.repeat_interleave(group, 1)).float() for t in (k, v))
+    if tile_heads or copy_heads:  # one K/V copy per query head; .repeat pairs the wrong heads
+        k, v = ((t.repeat(1, group, 1, 1) if tile_heads else t.repeat_interleave(group, 1)).float() for t in (k, v))
+    else:  # read in place: each K/V head broadcast over its group of query heads
+        q = q.unflatten(1, (k.shape[1], group))
+        k, v = k[:, :, None].float(), v[:, :, None].float()
     if in_place:
         q.mul_(1.0001)
     qf = q.float()
@@ -191,15 +218,15 @@ def learner_flash(q, k, v, causal=False, block_q=64, block_k=64, scale=None, *, 
         scores = qf @ k.transpose(-2, -1) * scale
         if causal:
             scores = scores.masked_fill(~nn.causal_mask(num_q, num_k), float("-inf"))
-        return torch.softmax(scores, -1).matmul(v).to(q.dtype), torch.logsumexp(scores, -1)
+        return torch.softmax(scores, -1).matmul(v).to(dtype).reshape(shape), torch.logsumexp(scores, -1).reshape(shape[:-1])
     out, lse = torch.empty_like(qf), torch.empty(qf.shape[:-1])
     for qs in range(0, num_q, block_q):
-        qb = qf[:, :, qs:qs + block_q]
+        qb = qf[..., qs:qs + block_q, :]
         m = torch.full(qb.shape[:-1], float("-inf"))
         s_run = torch.zeros_like(m)
         acc = torch.zeros_like(qb)
         for ks in range(0, num_k, block_k):
-            s = qb @ k[:, :, ks:ks + block_k].transpose(-2, -1) * scale
+            s = qb @ k[..., ks:ks + block_k, :].transpose(-2, -1) * scale
             if causal:
                 rows = torch.arange(qs, qs + qb.shape[-2])[:, None]
                 cols = torch.arange(ks, ks + s.shape[-1])[None, :]
@@ -209,11 +236,11 @@ def learner_flash(q, k, v, causal=False, block_q=64, block_k=64, scale=None, *, 
             p = torch.exp(s - safe[..., None])
             correction = torch.exp(m - safe)
             s_run = s_run * correction + p.sum(-1)
-            acc = (acc * correction[..., None] if rescale_acc else acc) + p @ v[:, :, ks:ks + block_k]
+            acc = (acc * correction[..., None] if rescale_acc else acc) + p @ v[..., ks:ks + block_k, :]
             m = new_m
-        out[:, :, qs:qs + block_q] = acc / s_run[..., None]
-        lse[:, :, qs:qs + block_q] = torch.log(s_run) if lse_without_max else m + torch.log(s_run)
-    return (out if out_fp32 else out.to(q.dtype)), lse
+        out[..., qs:qs + block_q, :] = acc / s_run[..., None]
+        lse[..., qs:qs + block_q] = torch.log(s_run) if lse_without_max else m + torch.log(s_run)
+    return (out if out_fp32 else out.to(dtype)).reshape(shape), lse.reshape(shape[:-1])
 
 
 def test_flash_attention_torch_accepts_reference_and_an_independent_solution(capsys):
@@ -227,7 +254,8 @@ def test_flash_attention_torch_accepts_reference_and_an_independent_solution(cap
     (dict(rescale_acc=False), "rescale acc"),
     (dict(lse_without_max=True), "max included"),
     (dict(ignore_scale=True), "scale"),
-    (dict(tile_heads=True), "repeat_interleave, not repeat"),
+    (dict(tile_heads=True), "k.repeat would pair them wrongly"),
+    (dict(copy_heads=True), "throws away what GQA saves"),
     (dict(out_fp32=True), "q's dtype"),
     (dict(full_matrix=True), "one block_q x block_k tile"),
     (dict(in_place=True), "in-place"),
@@ -237,96 +265,132 @@ def test_flash_attention_torch_rejects_typical_mistakes(mistake, hint):
         checks.flash_attention_torch(lambda *args: learner_flash(*args, **mistake))
 
 
-# ----------------------------------------------------------------------------- flash_attention_triton
-# A right per-key-block update, independent of labkit's (natural-log max kept alongside, explicit masks), and
-# wrong variants made by replacing one line of it; they are written to a module file because @triton.jit reads
-# the function's source.
-RIGHT_UPDATE = '''
+# ----------------------------------------------------------------------------- flash_attention_kernel
+# A right forward kernel written from the exercise's contract (one loop, base-2 scores, masks on every block), and
+# realistic wrong variants made by replacing one piece of it; they are written to module files because @triton.jit
+# reads the function's source.
+RIGHT_KERNEL = """
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def update(acc, m_i, l_i, q, k, v, offs_m, offs_n, seq_k, causal_offset, sm_scale,
-           MASKED: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+def kernel(Q, K, V, Out, LSE, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+           stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+           num_heads, group_size, seq_q, seq_k, head_dim, sm_scale,
+           CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // num_heads
+    h = bh % num_heads
+    kvh = h // group_size
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=(offs_m[:, None] < seq_q) & (offs_d[None, :] < head_dim), other=0.0)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     qk_scale = sm_scale * 1.4426950408889634
-    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-    if MASKED:
+    shift = seq_k - seq_q
+    end = seq_k
+    if CAUSAL:
+        end = tl.minimum(seq_k, (pid_m + 1) * BLOCK_M + shift)
+    for start_n in range(0, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n[:, None] < seq_k) & (offs_d[None, :] < head_dim)
+        k = tl.load(K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * qk_scale
         keep = offs_n[None, :] < seq_k
         if CAUSAL:
-            keep = keep & (offs_n[None, :] - causal_offset <= offs_m[:, None])
-        s = tl.where(keep, s, -float("inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    correction = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_new = l_i * correction + tl.sum(p, axis=1)
-    acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-    return acc, m_new, l_new
-'''
+            keep = keep & (offs_n[None, :] <= offs_m[:, None] + shift)
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_ptrs = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_m[:, None] < seq_q) & (offs_d[None, :] < head_dim))
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+    tl.store(LSE + bh * seq_q + offs_m, lse, mask=offs_m < seq_q)
+"""
 
-TRITON_MISTAKES = {  # name: (line of RIGHT_UPDATE, its wrong replacement, words the hint must contain)
-    "acc not corrected": ("acc = acc * correction[:, None] +", "acc = acc +", "acc = acc \\* alpha"),
-    "sum not corrected": ("l_new = l_i * correction +", "l_new = l_i +", "l_i = l_i \\* alpha"),
-    "exp2 without log2(e)": ("qk_scale = sm_scale * 1.4426950408889634", "qk_scale = sm_scale", "log2\\(e\\)"),
-    "1/D instead of 1/sqrt(D)": ("qk_scale = sm_scale * 1.4426950408889634",
-                                 "qk_scale = sm_scale * sm_scale * 1.4426950408889634", "use sm_scale as it is given"),
-    "a scale from the tile width": ("qk_scale = sm_scale * 1.4426950408889634",
-                                    "qk_scale = 1.4426950408889634 / tl.sqrt(q.shape[1] * 1.0)", "24 while the tiles"),
-    "top-left causal mask": ("offs_n[None, :] - causal_offset <= offs_m[:, None]", "offs_n[None, :] <= offs_m[:, None]",
+KERNEL_MISTAKES = {  # name: (piece of RIGHT_KERNEL, its wrong replacement, words the grader's message must contain)
+    "no causal loop bound": ("        end = tl.minimum(seq_k, (pid_m + 1) * BLOCK_M + shift)\n", "        pass\n",
+                             "loop bound"),
+    "loop bound without the bottom-right shift": ("(pid_m + 1) * BLOCK_M + shift)", "(pid_m + 1) * BLOCK_M)",
+                                                  "bottom-right"),
+    "ragged tail not masked in the loads": ("kv_mask = (offs_n[:, None] < seq_k) & (offs_d[None, :] < head_dim)",
+                                            "kv_mask = offs_d[None, :] < head_dim", "offs_n < seq_k"),
+    "ragged tail's scores not set to -inf": ("        keep = offs_n[None, :] < seq_k\n",
+                                             "        keep = offs_n[None, :] >= 0\n", "padding"),
+    "head_dim lanes not masked": ("kv_mask = (offs_n[:, None] < seq_k) & (offs_d[None, :] < head_dim)",
+                                  "kv_mask = offs_n[:, None] < seq_k", "head_dim"),
+    "accumulator not rescaled": ("acc = acc * alpha[:, None] +", "acc = acc +", "acc = acc \\* alpha"),
+    "lse without the max": ("lse = (m_i + tl.log2(l_i))", "lse = (tl.log2(l_i))", "max included"),
+    "lse in base 2": ("lse = (m_i + tl.log2(l_i)) * 0.6931471805599453", "lse = m_i + tl.log2(l_i)", "ln 2"),
+    "o stored without dividing by l": ("out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]", "out = acc",
+                                       "out = acc / l"),
+    "NaN on a fully masked first block (no safe max)": ("m_safe = tl.where(m_new == float(\"-inf\"), 0.0, m_new)",
+                                                        "m_safe = m_new", "m_safe"),
+    "0/0 for a row that sees no key": ("out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]", "out = acc / l_i[:, None]",
+                                       "sees no key"),
+    "top-left causal mask": ("offs_n[None, :] <= offs_m[:, None] + shift", "offs_n[None, :] <= offs_m[:, None]",
                              "bottom-right"),
-    "ragged tail not masked": ("keep = offs_n[None, :] < seq_k", "keep = offs_n[None, :] >= 0", "padding"),
-    "masks only when CAUSAL": ("    if MASKED:", "    if CAUSAL:", "padding"),
-    "natural exp (lse off by log2 e)": ("correction = tl.exp2(m_i - m_new)", "correction = tl.exp(m_i - m_new)",
-                                        "rescale what was summed"),
-    "natural units throughout (lse in the wrong base)": ("qk_scale = sm_scale * 1.4426950408889634\n",
-                                                        "qk_scale = sm_scale\n    tl_exp2 = tl.exp\n", "base-2"),
-    "returns the old max": ("return acc, m_new, l_new", "return acc, m_i, l_new", "return"),
+    "query head used as the K/V head (no GQA)": ("kvh = h // group_size", "kvh = h", "group_size"),
+    "batch ignored": ("b = bh // num_heads", "b = bh * 0", "stride_qb"),
+    "store without the row mask": ("mask=(offs_m[:, None] < seq_q) & (offs_d[None, :] < head_dim))\n    lse",
+                                   "mask=offs_d[None, :] < head_dim)\n    lse", "past the last query row"),
+    "scale ignored (1/sqrt(BLOCK_D))": ("qk_scale = sm_scale * 1.4426950408889634",
+                                        "qk_scale = 1.4426950408889634 / tl.sqrt(BLOCK_D * 1.0)", "sm_scale"),
 }
 
 
 @pytest.fixture(scope="module")
-def update_module(tmp_path_factory):
-    """Write RIGHT_UPDATE and each mistake as modules and import them: name -> the jitted update."""
+def kernel_module(tmp_path_factory):
+    """Write RIGHT_KERNEL and each mistake as modules and import them: name -> the jitted kernel."""
     import importlib.util
 
     pytest.importorskip("triton")
-    folder = tmp_path_factory.mktemp("updates")
-    sources = {"right": RIGHT_UPDATE}
-    for index, (name, (line, wrong, _)) in enumerate(TRITON_MISTAKES.items()):
-        assert line in RIGHT_UPDATE, name
-        source = RIGHT_UPDATE.replace(line, wrong)
-        if name.startswith("natural units"):
-            source = source.replace("tl.exp2(", "tl.exp(")
-        sources[f"mistake_{index}"] = source
-    sources["todo"] = RIGHT_UPDATE[: RIGHT_UPDATE.index("    qk_scale")] + (
-        '    raise NotImplementedError("not answered yet: write update (see the hint in Exercise 4 above)")\n')
-    updates = {}
+    folder = tmp_path_factory.mktemp("kernels")
+    sources = {"right": RIGHT_KERNEL}
+    for index, (name, (piece, wrong, _)) in enumerate(KERNEL_MISTAKES.items()):
+        assert RIGHT_KERNEL.count(piece) == 1, name
+        sources[f"mistake_{index}"] = RIGHT_KERNEL.replace(piece, wrong)
+    body = RIGHT_KERNEL.index("    pid_m = tl.program_id(0)")
+    sources["todo"] = RIGHT_KERNEL[:body] + '    raise NotImplementedError("not answered yet: write kernel")\n'
+    kernels = {}
     for module_name, source in sources.items():
         path = folder / f"{module_name}.py"
         path.write_text(source)
-        spec = importlib.util.spec_from_file_location(f"_updates_{module_name}", path)
+        spec = importlib.util.spec_from_file_location(f"_attention_kernels_{module_name}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        updates[module_name] = module.update
-    return updates
+        kernels[module_name] = module.kernel
+    return kernels
 
 
-def test_flash_attention_triton_accepts_labkits_update_and_an_independent_one(update_module, capsys):
-    from labkit.kernels.flash_attention import _attention_block_update
+def test_flash_attention_kernel_accepts_an_independent_kernel_and_labkits(kernel_module, capsys):
+    from labkit.kernels.flash_attention import _flash_attention_forward_kernel
 
-    checks.flash_attention_triton(_attention_block_update)
-    checks.flash_attention_triton(update_module["right"])
-    assert capsys.readouterr().out.count("✓ flash_attention_triton") == 2
-
-
-@pytest.mark.parametrize("index, name", list(enumerate(TRITON_MISTAKES)), ids=list(TRITON_MISTAKES))
-def test_flash_attention_triton_rejects_typical_mistakes(update_module, index, name):
-    with pytest.raises(CheckFailed, match=TRITON_MISTAKES[name][2]):
-        checks.flash_attention_triton(update_module[f"mistake_{index}"])
+    checks.flash_attention_kernel(kernel_module["right"])
+    checks.flash_attention_kernel(_flash_attention_forward_kernel)
+    assert capsys.readouterr().out.count("✓ flash_attention_kernel") == 2
 
 
-def test_flash_attention_triton_says_not_answered_and_rejects_a_plain_function(update_module):
+@pytest.mark.parametrize("index, name", list(enumerate(KERNEL_MISTAKES)), ids=list(KERNEL_MISTAKES))
+def test_flash_attention_kernel_rejects_typical_mistakes(kernel_module, index, name):
+    with pytest.raises(CheckFailed, match=KERNEL_MISTAKES[name][2]):
+        checks.flash_attention_kernel(kernel_module[f"mistake_{index}"])
+
+
+def test_flash_attention_kernel_says_not_answered_and_rejects_a_plain_function(kernel_module):
     with pytest.raises(CheckFailed, match="not answered yet(.|\n)*write your answer in place"):
-        checks.flash_attention_triton(update_module["todo"])
+        checks.flash_attention_kernel(kernel_module["todo"])
     with pytest.raises(CheckFailed, match="@triton.jit"):
-        checks.flash_attention_triton(attention.online_softmax_update)
+        checks.flash_attention_kernel(attention.flash_attention_torch)

@@ -167,3 +167,20 @@ def test_transformer_with_use_triton_matches_and_generates_the_same_tokens():
     torch.testing.assert_close(with_kernels(tokens), reference(tokens), atol=1e-4, rtol=1e-4)
     prompt = tokens[:, :5]
     assert torch.equal(generate(with_kernels, prompt, 6), generate(reference, prompt, 6))
+
+
+def test_the_forward_kernel_moves_exactly_the_bytes_its_loop_bounds_say():
+    from labkit.kernels._common import InterpretedTraffic
+    from labkit.kernels.flash_attention import flash_attention, forward_tiles, forward_traffic
+    from labkit.runtime import triton_mode
+
+    if triton_mode() != "interpreter":
+        pytest.skip("memory operations are counted under Triton's interpreter")
+    gen = torch.Generator().manual_seed(3)
+    for q_shape, kv_heads, seq_k, causal in [((1, 2, 96, 32), 2, 96, False), ((2, 4, 40, 16), 2, 150, True)]:
+        q = torch.randn(*q_shape, generator=gen)
+        k, v = (torch.randn(q_shape[0], kv_heads, seq_k, q_shape[3], generator=gen) for _ in range(2))
+        with InterpretedTraffic() as traffic:
+            flash_attention(q, k, v, causal=causal)
+        expected = forward_traffic(q_shape, kv_heads, seq_k, causal, *forward_tiles(q, seq_k), element_size=4)
+        assert (traffic.loaded, traffic.stored) == (expected["loaded"], expected["stored"])

@@ -31,6 +31,7 @@ DELEGATES: dict[str, tuple[str, ...]] = {
     "kv_bytes_per_token": ("labkit.attention.kv_bytes_per_token",),
     "online_softmax_update": ("labkit.attention.online_softmax_update",),
     "flash_attention_torch": ("labkit.attention.flash_attention_torch", "torch.nn.functional.scaled_dot_product_attention"),
+    "flash_attention_kernel": ("labkit.kernels.flash_attention._flash_attention_forward_kernel",),
     "top_k_routing": ("labkit.experts.top_k_gating", "labkit.experts.switch_gating"),
     "load_balancing_loss": ("labkit.experts.load_balancing_loss",),
     "dispatch_with_capacity": ("labkit.experts.dispatch", "labkit.experts.combine"),

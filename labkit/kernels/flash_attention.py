@@ -21,9 +21,10 @@ Causal masking is bottom-right aligned: query ``i`` sees keys ``j <= i + Nk - Nq
 ``Nq == Nk`` that is the usual lower triangle; with fewer queries than keys (decoding with a KV
 cache: the queries are the *last* ``Nq`` positions) the newest query sees every key.
 
-Exponentials use ``exp2`` with ``log2(e)`` folded into the scale (the GPU's fast instruction). The
-forward kernel takes the per-key-block update as a ``tl.constexpr`` argument (``BLOCK_UPDATE``): labkit's
-:func:`_attention_block_update`, or a learner's with the same signature.
+Exponentials use ``exp2`` with ``log2(e)`` folded into the scale (the GPU's fast instruction). A row
+that sees no key at all (only in the kernel: ``causal`` with ``Nq > Nk``, which the public functions
+refuse) gets output 0 and ``lse = -inf``. :func:`launch_forward_kernel` launches any kernel with the
+forward kernel's signature (chapter 03's exercise grades a learner's through it).
 On the GPU the matmuls take fp16/bf16 operands with fp32 accumulation (tensor cores); under
 Triton's CPU interpreter, whose bf16 arithmetic is wrong, every tile is upcast to fp32 at load.
 """
@@ -89,8 +90,11 @@ def _attention_block_update(
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    shift = m_new
+    if MASKED:  # a row that has seen no key yet keeps m = -inf: shift by 0 there, since exp2(-inf - -inf) is NaN
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - shift)
+    p = tl.exp2(s - shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
     return acc, m_new, l_i
@@ -100,12 +104,12 @@ def _attention_block_update(
 def _forward_key_blocks(
     acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
     offs_m, offs_d, d_valid, lo, hi, seq_k, causal_offset, sm_scale,
-    BLOCK_UPDATE: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     """Online-softmax update over the key blocks ``[lo, hi)``: load each K/V block (zeros past ``seq_k``) and
-    fold it in with ``BLOCK_UPDATE`` (:func:`_attention_block_update`, or the learner's). ``MASKED=False`` is
-    the fast path for blocks that are entirely inside the sequence and entirely visible."""
+    fold it in with :func:`_attention_block_update`. ``MASKED=False`` is the fast path for blocks that are
+    entirely inside the sequence and entirely visible."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kv_mask = d_valid[None, :]
@@ -113,8 +117,8 @@ def _forward_key_blocks(
             kv_mask = kv_mask & (offs_n < seq_k)[:, None]
         k = _load_tile(k_base, offs_n, stride_kn, offs_d, kv_mask, UPCAST)
         v = _load_tile(v_base, offs_n, stride_vn, offs_d, kv_mask, UPCAST)
-        acc, m_i, l_i = BLOCK_UPDATE(acc, m_i, l_i, q, k, v, offs_m, offs_n, seq_k, causal_offset, sm_scale,
-                                     MASKED, CAUSAL, INPUT_PRECISION)
+        acc, m_i, l_i = _attention_block_update(acc, m_i, l_i, q, k, v, offs_m, offs_n, seq_k, causal_offset,
+                                                sm_scale, MASKED, CAUSAL, INPUT_PRECISION)
     return acc, m_i, l_i
 
 
@@ -126,8 +130,8 @@ def _flash_attention_forward_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
     num_heads, group_size, seq_q, seq_k, head_dim, sm_scale,
-    BLOCK_UPDATE: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr = False, INPUT_PRECISION: tl.constexpr = "ieee",
 ):
     start_m = tl.program_id(0) * BLOCK_M
     batch_head = tl.program_id(1)
@@ -158,18 +162,20 @@ def _flash_attention_forward_kernel(
     acc, m_i, l_i = _forward_key_blocks(
         acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, d_valid,
         0, full_blocks_end, seq_k, causal_offset, sm_scale,
-        BLOCK_UPDATE, False, CAUSAL, BLOCK_N, UPCAST, INPUT_PRECISION,
+        False, CAUSAL, BLOCK_N, UPCAST, INPUT_PRECISION,
     )
     acc, m_i, l_i = _forward_key_blocks(
         acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, d_valid,
         full_blocks_end, hi, seq_k, causal_offset, sm_scale,
-        BLOCK_UPDATE, True, CAUSAL, BLOCK_N, UPCAST, INPUT_PRECISION,
+        True, CAUSAL, BLOCK_N, UPCAST, INPUT_PRECISION,
     )
-    # every valid row sees key 0, so l_i > 0; padded rows are never stored
-    out = acc / l_i[:, None]
+    # a row that saw no key (causal, Nq > Nk) has l_i = 0 and acc = 0: its output is 0, its lse -inf
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
     o_base = Out + batch * stride_ob + head.to(tl.int64) * stride_oh
     tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :], out.to(Out.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
-    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # base-2 running values -> natural log
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # base 2 -> natural log
     tl.store(LSE + batch_head.to(tl.int64) * seq_q + offs_m, lse, mask=m_valid)
 
 
@@ -285,8 +291,9 @@ def _flash_attention_backward_dq_kernel(
 
 
 # ----------------------------------------------------------------------------- launchers
-def _launch_settings(q: torch.Tensor, seq_q: int, seq_k: int, kernel: str) -> dict:
-    """Tile sizes and precision flags for ``kernel`` ("forward", "dkdv" or "dq").
+def _launch_settings(q: torch.Tensor, seq_q: int, seq_k: int, kernel: str, mode: str | None = None) -> dict:
+    """Tile sizes and precision flags for ``kernel`` ("forward", "dkdv" or "dq") where Triton runs in ``mode``
+    (``labkit.runtime.triton_mode()`` by default: "interpreter" or "compiled").
 
     The interpreter pays per program and per loop step, so it gets big tiles clipped to the
     sequence. On the GPU the tiles follow the Triton fused-attention tutorial: the forward and
@@ -294,8 +301,8 @@ def _launch_settings(q: torch.Tensor, seq_q: int, seq_k: int, kernel: str) -> di
     and streams thin query tiles. fp32 tiles are twice the bytes, so they are halved.
     """
     head_dim = q.shape[-1]
-    settings = dict(BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
-    if triton_mode() == "interpreter":
+    settings = dict(BLOCK_D=_block_d(head_dim))
+    if (mode or triton_mode()) == "interpreter":
         settings.update(
             BLOCK_M=min(64, max(16, triton.next_power_of_2(seq_q))),
             BLOCK_N=min(64, max(16, triton.next_power_of_2(seq_k))),
@@ -316,24 +323,65 @@ def _launch_settings(q: torch.Tensor, seq_q: int, seq_k: int, kernel: str) -> di
     return settings
 
 
+def _block_d(head_dim: int) -> int:
+    """The tile width for ``head_dim``: the next power of two, at least 16 (``tl.dot``'s smallest)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def forward_tiles(q: torch.Tensor, seq_k: int, mode: str | None = None) -> tuple[int, int]:
+    """``(BLOCK_M, BLOCK_N)`` of the forward kernel for queries like ``q`` (any device, ``meta`` too) and ``seq_k``
+    keys, where Triton runs in ``mode`` (here by default; "compiled" gives a GPU's tiles)."""
+    settings = _launch_settings(q, q.shape[2], seq_k, "forward", mode)
+    return settings["BLOCK_M"], settings["BLOCK_N"]
+
+
+def forward_traffic(q_shape: tuple, num_kv_heads: int, seq_k: int, causal: bool, block_m: int, block_n: int,
+                    element_size: int) -> dict[str, int]:
+    """The bytes labkit's forward kernel moves between global memory (HBM) and the chip, from its loop bounds:
+    ``{"loaded", "stored"}``. Each program loads its query tile once and every K and V tile its rows can see (so
+    K and V are read once per query block: ``2 N^2 D / BLOCK_M`` elements for ``N`` queries and keys), and stores
+    its output rows and their fp32 lse; nothing of size ``N x N`` ever leaves the chip."""
+    batch, num_heads, seq_q, head_dim = q_shape
+    kv_keys = 0  # keys loaded (from K and from V) by the programs of one query head
+    for start_m in range(0, seq_q, block_m):
+        end = min(seq_k, start_m + block_m + seq_k - seq_q) if causal else seq_k
+        kv_keys += sum(min(block_n, seq_k - start_n) for start_n in range(0, max(end, 0), block_n))
+    rows = batch * num_heads * seq_q
+    return dict(loaded=(rows * head_dim + 2 * batch * num_heads * kv_keys * head_dim) * element_size,
+                stored=rows * head_dim * element_size + rows * 4)
+
+
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _forward(q, k, v, causal: bool, scale: float, block_update=_attention_block_update):
-    """``(out, lse)`` from the forward kernel; ``block_update`` is the ``@triton.jit`` function that folds one
-    key block into the running max, sum and output (the chapter-03 exercise plugs the learner's in here)."""
+def launch_forward_kernel(kernel, q, k, v, out, lse, causal: bool, scale: float, block_m: int, block_n: int,
+                          query_blocks: int | None = None, **options) -> None:
+    """Launch a FlashAttention forward ``kernel(Q, K, V, Out, LSE, stride_qb, stride_qh, stride_qm, stride_kb,
+    stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, num_heads,
+    group_size, seq_q, seq_k, head_dim, sm_scale, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D)`` (the last four
+    ``tl.constexpr``) on q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nk, D]`` and out like q (any strides with a dense
+    last dim), writing ``lse`` (fp32, contiguous ``[B, Hq, Nq]``). Grid ``(query blocks, B * Hq)``: program
+    ``(i, b * Hq + h)`` owns rows ``i * BLOCK_M ...`` of query head ``h`` in batch ``b``; ``query_blocks`` launches
+    only the first ones (every program is independent). ``options`` go to the launch (labkit's kernel: its
+    ``UPCAST``/``INPUT_PRECISION`` and ``num_warps``/``num_stages``)."""
     batch, num_heads, seq_q, head_dim = q.shape
-    num_kv_heads, seq_k = k.shape[1], k.shape[2]
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((batch, num_heads, seq_q), dtype=torch.float32, device=q.device)
-    settings = _launch_settings(q, seq_q, seq_k, "forward")
-    grid = (triton.cdiv(seq_q, settings["BLOCK_M"]), batch * num_heads)
-    _flash_attention_forward_kernel[grid](
+    grid = (triton.cdiv(seq_q, block_m) if query_blocks is None else query_blocks, batch * num_heads)
+    kernel[grid](
         q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-        num_heads, num_heads // num_kv_heads, seq_q, seq_k, head_dim, scale,
-        BLOCK_UPDATE=block_update, CAUSAL=causal, **settings,
+        num_heads, num_heads // k.shape[1], seq_q, k.shape[2], head_dim, scale,
+        CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(head_dim), **options,
     )
+
+
+def _forward(q, k, v, causal: bool, scale: float):
+    """``(out, lse)`` from labkit's forward kernel."""
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    settings = _launch_settings(q, q.shape[2], k.shape[2], "forward")
+    del settings["BLOCK_D"]  # the launcher derives it from the head dim
+    launch_forward_kernel(_flash_attention_forward_kernel, q, k, v, out, lse, causal, scale,
+                          settings.pop("BLOCK_M"), settings.pop("BLOCK_N"), **settings)
     return out, lse
 
 
