@@ -47,6 +47,10 @@ def make_lora(*, b_init="zeros", a_init="kaiming", scaling=None, freeze=True, tr
             A = A.T if transpose_a else A
             if dropout_on == "output":
                 return self.dropout(self.base(x) + self.scaling * (x @ A.T) @ B.T)
+            if dropout_on == "adapter_output":  # the update dropped instead of the adapter's input
+                return self.base(x) + self.dropout(self.scaling * (x @ A.T) @ B.T)
+            if dropout_on == "middle":  # A x dropped
+                return self.base(x) + self.scaling * self.dropout(x @ A.T) @ B.T
             if dropout_on == "mask":  # a hand-made mask without the 1 / (1 - p) rescaling, applied always
                 p = self.dropout.p
                 mask = (torch.rand_like(x) > p).to(x.dtype) if p > 0 else torch.ones_like(x)
@@ -73,6 +77,8 @@ def test_lora_linear_accepts_labkit_and_a_plain_class(capsys):
     (make_lora(rslora=False), "alpha / sqrt\\(r\\)"),
     (make_lora(dropout_on="output"), "adapter's input only"),
     (make_lora(dropout_on="mask"), "eval mode"),
+    (make_lora(dropout_on="adapter_output"), "dropout belongs on the adapter's input"),
+    (make_lora(dropout_on="middle"), "dropout belongs on the adapter's input"),
     (make_lora(detach=True), "gradients for both adapters"),
 ])
 def test_lora_linear_rejects_typical_mistakes(wrong, words):
@@ -256,3 +262,205 @@ def test_the_lora_verdict_comes_from_the_judge_not_from_the_probe():
     for forged in ({"eval": seen["eval"], "train": seen["eval"]}, {"eval": seen["train"], "train": seen["train"]}, {}):
         with pytest.raises(CheckFailed, match="dropout"):
             checks._judge_dropout(forged)
+
+
+# ----------------------------------------------------------------------------- merging: in place, fp32, frozen
+def _new_parameter(model, sign=1):
+    """Assigns a new nn.Parameter (an optimizer holding the old one sees nothing; nn.Parameter also trains)."""
+    for layer in L.lora_layers(model).values():
+        if layer.merged == (sign == 1):
+            continue
+        with torch.no_grad():
+            merged = (layer.base.weight.float() + sign * layer.delta_weight()).to(layer.base.weight.dtype)
+        layer.base.weight = nn.Parameter(merged, requires_grad=False)
+        layer.merged = sign == 1
+
+
+def _in_bf16(model, sign=1):
+    """The arithmetic in the weight's dtype: every op rounds."""
+    for layer in L.lora_layers(model).values():
+        if layer.merged == (sign == 1):
+            continue
+        with torch.no_grad():
+            layer.base.weight += sign * layer.scaling * (layer.lora_B @ layer.lora_A)
+        layer.merged = sign == 1
+
+
+def _without_no_grad(model, sign=1):
+    """copy_ from the trainable adapters outside torch.no_grad(): the weight gets a grad_fn."""
+    for layer in L.lora_layers(model).values():
+        if layer.merged == (sign == 1):
+            continue
+        weight = layer.base.weight
+        weight.copy_((weight.float() + sign * layer.scaling * layer.lora_B.float() @ layer.lora_A.float()).to(weight.dtype))
+        layer.merged = sign == 1
+
+
+def _unmerge_and_reset(model):
+    """Takes the update out, then zeroes B "to start clean": the adapter is lost."""
+    L.unmerge_lora(model)
+    for layer in L.lora_layers(model).values():
+        with torch.no_grad():
+            layer.lora_B.zero_()
+
+
+def _unmerge_trainable(model):
+    L.unmerge_lora(model)
+    for layer in L.lora_layers(model).values():
+        layer.base.weight.requires_grad_(True)
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (_new_parameter, "same Parameter"),
+    (_in_bf16, "compute in fp32"),
+    (_without_no_grad, "grad_fn"),
+])
+def test_merge_lora_rejects_new_parameters_bf16_arithmetic_and_graphs(wrong, words):
+    with pytest.raises(CheckFailed, match=words):
+        checks.merge_lora(wrong)
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (lambda m: _new_parameter(m, -1), "same Parameter"),
+    (lambda m: _in_bf16(m, -1), "compute in fp32"),
+    (lambda m: _without_no_grad(m, -1), "grad_fn"),
+    (_unmerge_and_reset, "keep A and B"),
+    (_unmerge_trainable, "without making it trainable"),
+])
+def test_unmerge_lora_rejects_new_parameters_bf16_arithmetic_graphs_and_lost_adapters(wrong, words):
+    with pytest.raises(CheckFailed, match=words):
+        checks.unmerge_lora(wrong)
+
+
+# ----------------------------------------------------------------------------- delegation (the package-level graders)
+def test_lora_linear_refuses_labkits_class_and_subclasses_of_it():
+    import labkit.checks as graded
+    from labkit.checks import DelegationRefused
+
+    class Renamed(L.LoRALinear):
+        pass
+
+    class OwnForward(L.LoRALinear):
+        def forward(self, x):
+            return self.base(x) + self.scaling * (self.lora_dropout(x) @ self.lora_A.T) @ self.lora_B.T
+
+    class Wrapper(nn.Module):  # builds labkit's layer inside: refused when it is instantiated
+        def __init__(self, base, r, alpha, dropout=0.0, use_rslora=False):
+            super().__init__()
+            self.inner = L.LoRALinear(base, r, alpha, dropout, use_rslora)
+
+    for answer in (L.LoRALinear, Renamed, OwnForward, Wrapper):
+        with pytest.raises(DelegationRefused, match="LoRALinear"):
+            graded.LoRALinear(answer)
+    graded.LoRALinear(make_lora())
+
+
+# ----------------------------------------------------------------------------- lora_targets
+def targets(model, names, r, alpha, *, match="exact", freeze="before", fresh=False, per_target=False, linear_only=True):
+    """A learner's lora_targets; the keyword arguments swap in one mistake at a time."""
+    from labkit.nn import Linear
+
+    def chosen(name, module, target_names):
+        if linear_only and not isinstance(module, (nn.Linear, Linear)):
+            return False
+        leaf = name.rpartition(".")[2]
+        return {"exact": leaf in target_names, "substring": any(t in name for t in target_names),
+                "endswith": any(name.endswith(t) for t in target_names), "full name": name in target_names}[match]
+
+    if freeze == "before":
+        model.requires_grad_(False)
+    groups = [[t] for t in names] if per_target else [list(names)]
+    for group in groups:
+        for name in [n for n, m in model.named_modules() if n and chosen(n, m, group)]:
+            parent, _, child = name.rpartition(".")
+            holder = model.get_submodule(parent)
+            layer = getattr(holder, child)
+            if fresh:  # a new layer of the same shape, the pretrained weight not copied
+                layer = nn.Linear(layer.weight.shape[1], layer.weight.shape[0], bias=False)
+            setattr(holder, child, L.LoRALinear(layer, r, alpha))
+    if freeze == "after":
+        model.requires_grad_(False)
+    return model
+
+
+def _own_wrapper(model, names, r, alpha):
+    """Wraps the right layers, in a class of its own."""
+    class Adapter(nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+            self.down = nn.Parameter(torch.zeros(r, base.weight.shape[1]))
+
+        def forward(self, x):
+            return self.base(x)
+
+    model.requires_grad_(False)
+    for name in [n for n, m in model.named_modules() if isinstance(m, nn.Module) and n.rpartition(".")[2] in set(names)]:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, Adapter(model.get_submodule(name)))
+    return model
+
+
+def test_lora_targets_accepts_a_plain_solution_and_labkits_matching(capsys):
+    checks.lora_targets(targets)
+    checks.lora_targets(lambda model, names, r, alpha: L.apply_lora(model, tuple(names), r, alpha))
+    assert capsys.readouterr().out.count("✓ lora_targets:") == 2
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (lambda *a: targets(*a, match="substring"), "not by substring or endswith"),
+    (lambda *a: targets(*a, match="endswith"), "not by substring or endswith"),
+    (lambda *a: targets(*a, match="full name"), "dotted paths"),
+    (lambda *a: targets(*a, freeze=None), "freeze the whole model first"),
+    (lambda *a: targets(*a, freeze="after"), "freeze before wrapping"),
+    (lambda *a: targets(*a, fresh=True), "wrap the existing layer"),
+    (lambda *a: targets(*a, per_target=True, linear_only=False), "wrapped twice"),  # by name only, one target at a time
+    (lambda *a: (targets(*a), None)[1], "return model"),
+    (lambda model, names, r, alpha: _own_wrapper(model, names, r, alpha), "wrap with L.LoRALinear"),
+])
+def test_lora_targets_rejects_typical_mistakes(wrong, words):
+    with pytest.raises(CheckFailed, match=words):
+        checks.lora_targets(wrong)
+
+
+def test_lora_targets_refuses_labkits_apply_lora_and_the_verdict_is_the_judges():
+    import labkit.checks as graded
+    from labkit.checks import DelegationRefused
+
+    with pytest.raises(DelegationRefused, match="apply_lora"):
+        graded.lora_targets(lambda model, names, r, alpha: L.apply_lora(model, tuple(names), r, alpha))
+    graded.lora_targets(targets)
+    honest = checks._probe_targets(targets)
+    checks._judge_targets(honest)
+    for key, change in {"wrapped": lambda v: v[:-1], "count": lambda v: v + 1, "out": lambda t: t + 1e-3,
+                        "grads": lambda v: v + ["lm_head.weight"], "bases_kept": lambda v: False}.items():
+        records = [dict(record) for record in honest]
+        records[0][key] = change(records[0][key])
+        with pytest.raises(CheckFailed, match="as it ran where your function lives"):
+            checks._judge_targets(records)
+
+
+# ----------------------------------------------------------------------------- through a handle (labkit.grade)
+def _handle(fn, exercise):
+    """The learner's function behind a Remote handle whose requests cross as bytes (as in tests/test_remote.py)."""
+    from labkit.checks import _remote
+
+    class LocalTransport(_remote.Transport):
+        def exchange(self, request: bytes) -> bytes:
+            return _remote.handle(request, {"fn": fn})
+
+    return _remote.Remote(LocalTransport(), "fn", exercise)
+
+
+@pytest.mark.parametrize("exercise, right, wrong, words", [
+    ("merge_lora", merge, _new_parameter, "same Parameter"),
+    ("unmerge_lora", unmerge, lambda m: _without_no_grad(m, -1), "requires grad"),
+    ("lora_targets", targets, lambda *a: targets(*a, match="endswith"), "not by substring or endswith"),
+])
+def test_the_verdicts_are_the_same_through_a_handle(exercise, right, wrong, words, capsys):
+    import labkit.checks as graded
+
+    getattr(graded, exercise)(_handle(right, exercise))
+    assert f"✓ {exercise}" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match=words):
+        getattr(graded, exercise)(_handle(wrong, exercise))

@@ -14,7 +14,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # moves these cells below their exercise and deletes its entry; a leak that is not listed fails the test, and
 # so does a listed one that is gone (so that the list only ever shrinks).
 KNOWN: dict[str, set[tuple[str, str]]] = {
-    "05_lora_peft": {("LoRALinear", "show_source")},
 }
 SOLVED = ("def my_softmax(x):\n    # BEGIN SOLUTION\n    shifted = x - x.max(dim=-1, keepdim=True).values\n"
           "    exps = torch.exp(shifted)\n    total = exps.sum(dim=-1, keepdim=True)\n    return exps / total\n"

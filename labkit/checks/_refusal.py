@@ -40,6 +40,7 @@ DELEGATES: dict[str, tuple[str, ...]] = {
     "lora_parameter_count": ("labkit.lora.lora_parameter_count",),
     "merge_lora": ("labkit.lora.merge_lora",),
     "unmerge_lora": ("labkit.lora.unmerge_lora",),
+    "lora_targets": ("labkit.lora.apply_lora", "labkit.lora.target_modules"),
     "nearest_level": ("labkit.quant.nearest_level",),
     "pack_int4": ("labkit.quant.pack_int4",),
     "unpack_int4": ("labkit.quant.unpack_int4",),
