@@ -4,7 +4,8 @@
 NCCL on GPUs: the same code either way) and runs ``fn(rank, world_size, **kwargs)`` in each.
 On top of the collectives this module builds, from scratch: a ring all-reduce out of
 point-to-point sends (:func:`ring_all_reduce`), data parallelism that all-reduces gradients
-one parameter at a time (:class:`DDPIndividual`) or in buckets (:class:`DDPBucketed`), and
+one parameter at a time (:class:`DDPIndividual`) or in buckets (:func:`bucket_plan`,
+:class:`DDPBucketed`), and
 ZeRO-1, which shards optimizer state: the paper's version (:class:`ShardedOptimizer`:
 reduce-scatter the gradients, step on this rank's shard, all-gather the parameters) and, for
 comparison, a simpler one that needs DDP's all-reduce first and broadcasts each parameter from
@@ -238,6 +239,14 @@ def _rank_server():
         with _environment(_child_env()), _main_module_hidden():
             forkserver.ensure_running()
         return context, _rank_server_pid()
+
+
+def start_rank_server() -> None:
+    """Start the rank server :func:`launch` forks its ranks from (Linux, macOS; elsewhere nothing to do)
+    now, in the background: its imports (seconds of CPU) then overlap with whatever this process does
+    next instead of delaying the first launch. Later calls and launches reuse the same server."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        _rank_server()
 
 
 @contextlib.contextmanager
@@ -658,6 +667,38 @@ def allreduce_time(nbytes: float, world_size: int, bandwidth: float, latency: fl
     raise ValueError(f"algorithm={algorithm!r}: expected 'ring' or 'naive'")
 
 
+def overlap_timeline(grad_bytes, backward_seconds, bucket_cap_bytes: float, world_size: int, bandwidth: float,
+                     latency: float = 0.0) -> dict:
+    """How much of DDP's gradient all-reduce a bucketed backward hides, in the alpha-beta model.
+
+    ``grad_bytes[i]`` and ``backward_seconds[i]`` describe the gradients in the order backward produces
+    them (reverse registration order): the bytes of gradient ``i`` and the compute time from the previous
+    gradient to it. Gradients are cut into buckets of at most ``bucket_cap_bytes`` (a larger one alone,
+    as :func:`bucket_plan` does); a bucket's ring all-reduce (:func:`allreduce_time`) starts when its last
+    gradient is ready and the previous all-reduce has finished (one communication stream, in order).
+    Returns ``{"buckets", "backward", "communication", "exposed", "timeline"}``: seconds of compute, of
+    all-reduces in total, and of communication left after backward ends (what the step waits for), and
+    ``(start, end)`` of every all-reduce."""
+    grad_bytes, backward_seconds = list(grad_bytes), list(backward_seconds)
+    if len(grad_bytes) != len(backward_seconds) or not grad_bytes:
+        raise ValueError(f"grad_bytes, backward_seconds: expected two lists of one equal, non-zero length, got "
+                         f"{len(grad_bytes)} and {len(backward_seconds)}")
+    if min(grad_bytes) < 0 or min(backward_seconds) < 0 or not bucket_cap_bytes > 0:
+        raise ValueError("grad_bytes, backward_seconds: expected values >= 0; bucket_cap_bytes: expected > 0")
+    ready, clock = [], 0.0
+    for seconds in backward_seconds:
+        clock += seconds
+        ready.append(clock)
+    buckets = _greedy_buckets([(i, nbytes, None) for i, nbytes in enumerate(grad_bytes)], bucket_cap_bytes)
+    timeline, free = [], 0.0
+    for bucket in buckets:
+        start = max(ready[bucket[-1]], free)
+        free = start + allreduce_time(sum(grad_bytes[i] for i in bucket), world_size, bandwidth, latency)
+        timeline.append((start, free))
+    return {"buckets": len(buckets), "backward": clock, "communication": sum(end - start for start, end in timeline),
+            "exposed": max(0.0, free - clock), "timeline": timeline}
+
+
 def gradient_collective(strategy: str) -> str:
     """The collective that synchronises gradients under a data-parallel ``strategy``: DDP needs
     the full averaged gradient everywhere (``all_reduce``); ZeRO-1 (as in the paper and
@@ -714,24 +755,64 @@ class DDPIndividual(torch.nn.Module):
                 p.grad.div_(self.world_size)
 
 
+def _greedy_buckets(items, cap: float) -> list[list[int]]:
+    """Indices of ``items`` (``(index, nbytes, kind)``, in bucket order) cut into buckets greedily: the next
+    item starts a new bucket when adding it would take the current one past ``cap`` bytes, or when its
+    ``kind`` differs from the bucket's; an item larger than ``cap`` therefore sits alone."""
+    buckets: list[list[int]] = []
+    size, kind = 0, None
+    for index, nbytes, item_kind in items:
+        if not buckets or size + nbytes > cap or item_kind != kind:
+            buckets.append([])
+            size, kind = 0, item_kind
+        buckets[-1].append(index)
+        size += nbytes
+    return buckets
+
+
+def _check_bucket_size_mb(bucket_size_mb) -> None:
+    if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or not bucket_size_mb > 0:
+        raise ValueError(f"bucket_size_mb={bucket_size_mb!r}: expected a positive number")
+
+
 def bucket_parameters(params, bucket_size_mb: float) -> list[list[torch.Tensor]]:
     """Group ``params`` into buckets of at most ``bucket_size_mb`` MiB (``bucket_size_mb * 2**20``
     bytes), in *reverse* order (the order backward produces their gradients): a new bucket starts
     when the next parameter would take the current one past the limit. A parameter larger than
-    the limit gets a bucket of its own; no bucket is empty."""
-    if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or not bucket_size_mb > 0:
-        raise ValueError(f"bucket_size_mb={bucket_size_mb!r}: expected a positive number")
-    limit = bucket_size_mb * 2**20
-    buckets: list[list[torch.Tensor]] = []
-    size = 0
-    for p in reversed(list(params)):
-        nbytes = p.numel() * p.element_size()
-        if not buckets or size + nbytes > limit:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(p)
-        size += nbytes
-    return buckets
+    the limit gets a bucket of its own; no bucket is empty. (Every parameter, whatever its dtype or
+    ``requires_grad``: :func:`bucket_plan` is the plan DDP needs.)"""
+    _check_bucket_size_mb(bucket_size_mb)
+    params = list(params)
+    items = [(i, p.numel() * p.element_size(), None) for i, p in reversed(list(enumerate(params)))]
+    return [[params[i] for i in bucket] for bucket in _greedy_buckets(items, bucket_size_mb * 2**20)]
+
+
+def bucket_plan(params, bucket_cap_bytes: int) -> list[list[int]]:
+    """DDP's gradient buckets for ``params`` (a model's parameters in registration order, as
+    ``list(model.parameters())`` gives them), as lists of indices into ``params``.
+
+    Only parameters that require grad are bucketed, in *reverse* registration order (backward
+    produces gradients roughly last layer first, so the first bucket fills first). A bucket holds
+    one dtype (its gradients are flattened into one buffer and all-reduced together) and at most
+    ``bucket_cap_bytes`` bytes of gradients, the cap included: the next parameter starts a new
+    bucket when adding it would take the bucket past the cap, or when its dtype differs. A
+    parameter larger than the cap gets a bucket of its own; no bucket is empty; with no trainable
+    parameter the plan is ``[]``.
+
+    ``torch.distributed._compute_bucket_assignment_by_size``, the rule ``DistributedDataParallel``
+    buckets with, cuts differently: it keeps one open bucket per dtype and device, adds a tensor first
+    and closes the bucket once it holds the cap or more (so its buckets go past the cap by their last
+    tensor), takes one cap per bucket (DDP's first is 1 MiB, ``dist._DEFAULT_FIRST_BUCKET_BYTES``, then
+    ``bucket_cap_mb``), and lists the buckets by their smallest index. DDP (torch 2.13) starts with all
+    gradients in one bucket and, after the first iteration, rebuilds the buckets in the order the
+    gradients really arrived.
+    """
+    if not isinstance(params, (list, tuple)) or any(not isinstance(p, torch.Tensor) for p in params):
+        raise TypeError("params: expected a list of tensors (list(model.parameters()))")
+    if isinstance(bucket_cap_bytes, bool) or not isinstance(bucket_cap_bytes, int) or bucket_cap_bytes < 1:
+        raise ValueError(f"bucket_cap_bytes={bucket_cap_bytes!r}: expected a positive int (bytes)")
+    items = [(i, p.numel() * p.element_size(), p.dtype) for i, p in reversed(list(enumerate(params))) if p.requires_grad]
+    return _greedy_buckets(items, bucket_cap_bytes)
 
 
 class DDPBucketed(torch.nn.Module):
@@ -739,25 +820,43 @@ class DDPBucketed(torch.nn.Module):
 
     Thousands of tiny all-reduces each pay the per-message latency; one giant all-reduce at
     the end cannot overlap with backward. Buckets are the middle ground (PyTorch's DDP uses
-    25 MB): parameters are grouped in reverse order (the order backward produces their
-    gradients), and a bucket's gradients are flattened into one buffer and all-reduced
-    asynchronously the moment its last gradient is ready.
+    25 MB): :func:`bucket_plan` groups the trainable parameters in reverse order (the order
+    backward produces their gradients), one dtype per bucket, and a bucket's gradients are
+    flattened into one buffer and all-reduced asynchronously the moment its last gradient is
+    ready. :meth:`no_sync` skips the all-reduces while gradients accumulate over micro-batches.
     """
 
     def __init__(self, module: torch.nn.Module, bucket_size_mb: float):
         super().__init__()
         self.module = module
         self.world_size = dist.get_world_size()
+        _check_bucket_size_mb(bucket_size_mb)
         broadcast_parameters(module)
-        params = list({id(p): p for p in module.parameters() if p.requires_grad}.values())
-        self.buckets = bucket_parameters(params, bucket_size_mb)
+        params = list(module.parameters())  # unique, registration order
+        cap = max(1, int(bucket_size_mb * 2**20))  # bytes, as torch's DDP turns bucket_cap_mb into bytes
+        self.buckets = [[params[i] for i in bucket] for bucket in bucket_plan(params, cap)]
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self._ready = [0] * len(self.buckets)
         self._pending: dict[int, tuple] = {}
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._sync = True
+        for bucket in self.buckets:
+            for p in bucket:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation without communication, as ``DistributedDataParallel.no_sync``: a backward
+        inside only adds this rank's gradients into ``.grad``; the first backward after it all-reduces the
+        accumulated sums, so that :meth:`finish_gradient_synchronization` follows that backward only."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self._sync:
+            return
         index = self._bucket_of[id(param)]
         self._ready[index] += 1
         if self._ready[index] == len(self.buckets[index]):

@@ -5,6 +5,7 @@ Each runs inside one rank (the process group is already set up) and returns plai
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -158,36 +159,97 @@ def data_parallel(rank: int, world_size: int, steps: int = 3, global_batch: int 
     return out
 
 
+def gradient_accumulation(rank: int, world_size: int, micro_batches: int = 4, global_batch: int = 16, seq_len: int = 16,
+                          bucket_size_mb: float = 0.01, seed: int = 0) -> dict:
+    """One training step's gradient from ``micro_batches`` micro-batches per rank, with :class:`DDPBucketed`
+    all-reducing after every micro-batch or only after the last one (inside ``no_sync`` before it), and with
+    PyTorch's DDP and its ``no_sync``; each against the full batch's mean gradient on one process. Returns the
+    largest gradient difference of each way and what this rank sent with labkit's (``CommMeter``)."""
+    from labkit.train import cross_entropy
+
+    base, x, y = _toy_setup(seed, global_batch, seq_len)
+    local = _local_slice(rank, world_size, global_batch)
+    micro_x, micro_y = x[local].chunk(micro_batches), y[local].chunk(micro_batches)
+    if len({len(m) for m in micro_x}) != 1 or len(micro_x) != micro_batches:
+        raise ValueError(f"micro_batches={micro_batches}: must split each rank's {len(x[local])} rows evenly")
+    reference = copy.deepcopy(base)
+    cross_entropy(reference(x), y).backward()
+    out = {"micro_batches": micro_batches, "grad_bytes": sum(p.numel() * p.element_size() for p in base.parameters())}
+    for name in ("all-reduce every micro-batch", "no_sync until the last", "torch DDP no_sync"):
+        model = copy.deepcopy(base)
+        ddp = torch.nn.parallel.DistributedDataParallel(model) if name.startswith("torch") else DDPBucketed(model, bucket_size_mb)
+        with CommMeter() as meter:
+            for k, (xm, ym) in enumerate(zip(micro_x, micro_y)):
+                last = k == micro_batches - 1
+                with ddp.no_sync() if name != "all-reduce every micro-batch" and not last else contextlib.nullcontext():
+                    (cross_entropy(ddp(xm), ym) / micro_batches).backward()  # the mean over this rank's rows
+                if hasattr(ddp, "finish_gradient_synchronization") and (last or name == "all-reduce every micro-batch"):
+                    ddp.finish_gradient_synchronization()
+        out[name] = {"max_grad_diff": max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())),
+                     "sent": sum(meter.sent.values()), "calls": dict(meter.calls)}
+    return out
+
+
 def zero1(rank: int, world_size: int, steps: int = 3, global_batch: int = 8, seq_len: int = 16, seed: int = 0) -> dict:
-    """ZeRO-1 two ways against the unsharded AdamW on the full batch, ``steps`` steps: the paper's
+    """ZeRO-1 three ways against the unsharded AdamW on the full batch, ``steps`` steps: the paper's
     :class:`ShardedOptimizer` (no DDP: it reduce-scatters the gradients itself, steps its shard,
-    all-gathers the parameters) and the broadcast variant (:class:`DDPIndividual`'s all-reduce,
-    then :class:`ShardedOptimizerBroadcast`). For each: the max parameter difference to the
+    all-gathers the parameters), the broadcast variant (:class:`DDPIndividual`'s all-reduce,
+    then :class:`ShardedOptimizerBroadcast`) and PyTorch's ``ZeroRedundancyOptimizer`` after the same
+    all-reduce. For each: the max parameter difference to the
     reference, the optimizer-state bytes this rank holds, and the calls and bytes this rank sent
     per step (:class:`labkit.dist.CommMeter`, ring algorithms). Top-level keys describe the
-    paper's version; ``"broadcast variant"`` holds the same for the other."""
+    paper's version; ``"broadcast variant"`` holds the same for the other, and
+    ``"torch ZeroRedundancyOptimizer"`` for PyTorch's ZeRO-1, which ships the broadcast design."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     from labkit.train import AdamW
 
     base, x, y = _toy_setup(seed, global_batch, seq_len)
     local = _local_slice(rank, world_size, global_batch)
     reference, _, unsharded_state_bytes = _reference(base, x, y, steps, AdamW, lr=1e-2)
     runs = {}
-    for name in ("paper", "broadcast variant"):
+    for name in ("paper", "broadcast variant", "torch ZeroRedundancyOptimizer"):
         model = copy.deepcopy(base)
         if name == "paper":
             wrapper, optimizer = model, ShardedOptimizer(model.parameters(), AdamW, lr=1e-2)
             padded = optimizer.padded  # the flat buffer's elements: parameters + zero padding to a multiple of N
-        else:
+        elif name == "broadcast variant":
             wrapper = DDPIndividual(model)
             optimizer = ShardedOptimizerBroadcast(model.parameters(), AdamW, lr=1e-2)
+        else:  # PyTorch's ZeRO-1: the broadcast design, beside a DDP's all-reduce
+            wrapper = DDPIndividual(model)
+            optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=AdamW, lr=1e-2)
         with CommMeter() as meter:
             _train(model, wrapper, optimizer, x[local], y[local], steps)
+        local_optimizer = optimizer.optim if name == "torch ZeroRedundancyOptimizer" else optimizer.local_optimizer
         runs[name] = {"max_abs_diff": _max_param_diff(model, reference),
-                      "state_bytes_sharded": optimizer_state_bytes(optimizer.local_optimizer),
+                      "state_bytes_sharded": optimizer_state_bytes(local_optimizer),
                       "sent_per_step": {op: sent / steps for op, sent in meter.sent.items()},
                       "calls_per_step": {op: calls / steps for op, calls in meter.calls.items()}}
-    return {**runs["paper"], "broadcast variant": runs["broadcast variant"], "state_bytes_unsharded": unsharded_state_bytes,
+    return {**runs["paper"], "broadcast variant": runs["broadcast variant"],
+            "torch ZeroRedundancyOptimizer": runs["torch ZeroRedundancyOptimizer"], "state_bytes_unsharded": unsharded_state_bytes,
             "params": sum(p.numel() for p in base.parameters()), "padded": padded}
+
+
+def zero1_mixed_precision(rank: int, world_size: int, steps: int = 2, global_batch: int = 8, seq_len: int = 16,
+                          seed: int = 0) -> dict:
+    """The paper's ZeRO-1 (:class:`ShardedOptimizer`) on the bf16 copy of the tiny model: the gradients are
+    reduce-scattered and the parameters all-gathered in bf16, while each rank's master shard and AdamW's
+    m and v stay fp32. Returns the per-step losses, the master shard's dtype and elements, the bytes of
+    this rank's optimizer state and master shard, and what it sent per step."""
+    from labkit.train import AdamW
+
+    base, x, y = _toy_setup(seed, global_batch, seq_len)
+    model = base.to(torch.bfloat16)
+    local = _local_slice(rank, world_size, global_batch)
+    optimizer = ShardedOptimizer(model.parameters(), AdamW, lr=1e-2)
+    with CommMeter() as meter:
+        losses = _train(model, model, optimizer, x[local], y[local], steps)
+    shard = optimizer.master_shard
+    return {"losses": losses, "param_dtype": str(next(model.parameters()).dtype), "master_dtype": str(shard.dtype),
+            "shard_elements": shard.numel(), "padded": optimizer.padded, "master_bytes": shard.numel() * shard.element_size(),
+            "state_bytes": optimizer_state_bytes(optimizer.local_optimizer),
+            "sent_per_step": {op: sent / steps for op, sent in meter.sent.items()}}
 
 
 def fsdp(rank: int, world_size: int, steps: int = 3, global_batch: int = 8, seq_len: int = 16, lr: float = 0.5, seed: int = 0) -> dict:
@@ -207,18 +269,24 @@ def fsdp(rank: int, world_size: int, steps: int = 3, global_batch: int = 8, seq_
         fully_shard(layer)
     fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    losses = []
+    losses, sent = [], {}
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        loss = cross_entropy(model(x[local]), y[local])
-        loss.backward()  # FSDP reduce-scatters the gradients: each rank gets its shard, averaged
+        with CommMeter() as meter:  # FSDP2's own collectives, called through torch.distributed
+            loss = cross_entropy(model(x[local]), y[local])
+            loss.backward()  # FSDP reduce-scatters the gradients: each rank gets its shard, averaged
+        for op, nbytes in meter.sent.items():
+            sent[op] = sent.get(op, 0.0) + nbytes / steps
         optimizer.step()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world_size)
     local_elems = sum(p.to_local().numel() for p in model.parameters())
+    layer_shards = sum(p.to_local().numel() * p.element_size() for layer in model.layers for p in layer.parameters())
     return {"losses": losses, "reference_losses": ref_losses, "local_param_elements": local_elems,
-            "full_param_elements": sum(p.numel() for p in base.parameters())}
+            "full_param_elements": sum(p.numel() for p in base.parameters()), "sent_per_step": sent,
+            "shard_bytes": sum(p.to_local().numel() * p.element_size() for p in model.parameters()),
+            "layer_shard_bytes": layer_shards}
 
 
 def fail_on_rank(rank: int, world_size: int, bad_rank: int = 1) -> int:
@@ -258,7 +326,8 @@ def several(rank: int, world_size: int, demos: dict[str, dict]) -> dict:
     return {name: _DEMOS[name](rank, world_size, **kwargs) for name, kwargs in demos.items()}
 
 
-_DEMOS = {f.__name__: f for f in (hello, collectives, ring_vs_all_reduce, data_parallel, zero1, fsdp)}
+_DEMOS = {f.__name__: f for f in (hello, collectives, ring_vs_all_reduce, data_parallel, gradient_accumulation, zero1,
+                                  zero1_mixed_precision, fsdp)}
 
 
 # ----------------------------------------------------------------------------- drawing the collectives
@@ -293,7 +362,7 @@ def plot_collectives(results: dict):
 
     widths = [max(sum(len(c) for c in rows(results[r][n][side])) + len(rows(results[r][n][side])) for r in ranks for n in COLLECTIVES)
               for side in (0, 1)]
-    fig, axes = plt.subplots(len(COLLECTIVES), 1, figsize=(max(9.0, 0.42 * (sum(widths) + 8)), len(COLLECTIVES) * (0.55 * len(ranks) + 0.75)))
+    fig, axes = plt.subplots(len(COLLECTIVES), 1, figsize=(max(9.0, 0.36 * (sum(widths) + 8)), len(COLLECTIVES) * (0.42 * len(ranks) + 0.6)))
     for ax, name in zip(axes, COLLECTIVES):
         origin = {v: r for r in ranks for chunk in rows(results[r][name][0]) for v in chunk}  # input value -> its rank
         for row, rank in enumerate(ranks):

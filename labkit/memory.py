@@ -140,6 +140,40 @@ class SavedTensorMeter:
 
 
 # ----------------------------------------------------------------------------- activation checkpointing
+def autocast_weight_copies(model: torch.nn.Module, run, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
+    """``{parameter name: bytes}`` of the ``dtype`` copies of ``model``'s weights that autograd saves for
+    backward while ``run()`` runs under ``torch.autocast`` (on the model's device, in ``dtype``).
+
+    Autocast casts an fp32 weight for each matmul (and caches the copy for the region, so a weight used
+    twice is cast once); the matmul saves that copy for its backward, so it stays allocated from the
+    forward pass until backward frees it, beside the fp32 weight. A saved tensor counts as the copy of
+    a parameter when it holds exactly that parameter's values cast to ``dtype`` (or their transpose,
+    for ``x @ W.T``); each storage is counted once. ``run``'s result (e.g. the loss) is dropped, and
+    with it the saved tensors."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if not callable(run):
+        raise TypeError(f"run: expected a function of no arguments, got {type(run).__name__}")
+    params = [(name, p) for name, p in model.named_parameters() if p.is_floating_point() and p.dtype != dtype]
+    copies: dict[str, int] = {}
+    seen: set[int] = set()
+
+    def pack(t: torch.Tensor):
+        if t.dtype == dtype and t.untyped_storage().data_ptr() not in seen:
+            views = [t] + ([t.mT] if t.dim() == 2 else [])
+            for name, p in params:
+                if any(v.shape == p.shape and torch.equal(v, p.detach().to(dtype)) for v in views):
+                    seen.add(t.untyped_storage().data_ptr())
+                    copies[name] = t.untyped_storage().nbytes()
+                    break
+        return t
+
+    device_type = next(model.parameters()).device.type
+    with torch.autocast(device_type, dtype=dtype), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return copies
+
+
 @contextlib.contextmanager
 def activation_checkpointing(model: torch.nn.Module):
     """Inside this block every ``model.layers[i]`` runs under ``torch.utils.checkpoint``:

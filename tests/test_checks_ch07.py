@@ -3,7 +3,7 @@ import pytest
 import labkit  # noqa: F401
 from labkit.checks import ch07_memory as checks  # the graders unwrapped: delegating to labkit is refused by the package-level ones (test_checks_refusal.py)
 from labkit.checks import CheckFailed
-from labkit.dist import gradient_collective, ring_allreduce_step, ring_chunk
+from labkit.dist import bucket_plan, gradient_collective, ring_allreduce_step, ring_chunk
 from labkit.memory import adamw_mixed_precision_bytes
 
 
@@ -138,7 +138,119 @@ def test_gradient_collective_rejects_mistakes(wrong, hint):
         checks.gradient_collective(wrong)
 
 
-# ----------------------------------------------------------------------------- exercises 4 and 5: a bucketed DDP and ZeRO-1
+# ----------------------------------------------------------------------------- exercise 4: the bucket plan
+def plain_bucket_plan(params, bucket_cap_bytes):
+    """An independent right answer: the trainable indices reversed first, then cut where a bucket would overflow."""
+    order = [i for i in range(len(params) - 1, -1, -1) if params[i].requires_grad]
+    plan = []
+    for i in order:
+        nbytes = params[i].nelement() * params[i].element_size()
+        last = plan[-1] if plan else None
+        if last and params[last[0]].dtype == params[i].dtype and sum(params[j].nbytes for j in last) + nbytes <= bucket_cap_bytes:
+            last.append(i)
+        else:
+            plan.append([i])
+    return plan
+
+
+def test_bucket_plan_accepts_labkits_and_an_independent_answer(capsys):
+    checks.bucket_plan(bucket_plan)
+    checks.bucket_plan(plain_bucket_plan)
+    checks.bucket_plan(lambda params, cap: tuple(tuple(b) for b in bucket_plan(params, cap)))  # tuples are lists too
+    assert capsys.readouterr().out.count("✓ bucket_plan") == 3
+
+
+def _greedy(order="reverse", cap_test="over", dtype_split=True, frozen=False, count_opener=True,
+            in_place=False, indices=True):
+    """A learner's greedy loop with one of the realistic mistakes switched on."""
+    def plan(params, cap):
+        items = list(enumerate(params))
+        if in_place:
+            params.reverse()
+            items = [(len(params) - 1 - k, p) for k, p in enumerate(params)]
+        elif order == "reverse":
+            items = items[::-1]
+        buckets, size, dtype = [], 0, None
+        for i, p in items:
+            if not frozen and not p.requires_grad:
+                continue
+            nbytes = p.numel() * p.element_size()
+            if cap_test == "over":
+                full = size + nbytes > cap
+            elif cap_test == "exclusive":
+                full = size + nbytes >= cap
+            else:  # "after": closes a bucket only once it is already past the cap
+                full = size > cap
+            opens = buckets and full or not buckets or (dtype_split and p.dtype != dtype)
+            if opens:
+                buckets.append([])
+                size, dtype = 0, p.dtype
+                if not count_opener:
+                    buckets[-1].append(i if indices else p)
+                    continue
+            buckets[-1].append(i if indices else p)
+            size += nbytes
+        return buckets
+    return plan
+
+
+def _flushes_the_current_bucket(params, cap):  # appends the (still empty) current bucket before an oversized one
+    buckets, current, size = [], [], 0
+    for i in range(len(params) - 1, -1, -1):
+        p = params[i]
+        if not p.requires_grad:
+            continue
+        nbytes = p.numel() * p.element_size()
+        if size + nbytes > cap or (current and params[current[0]].dtype != p.dtype):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += nbytes
+    return buckets + [current] if current else buckets
+
+
+def _torchs_rule(params, cap):  # DDP's own rule: add first, close at >= cap, one open bucket per dtype
+    import torch
+    trainable = [i for i in range(len(params) - 1, -1, -1) if params[i].requires_grad]
+    assignment, _ = torch.distributed._compute_bucket_assignment_by_size([params[i] for i in trainable], [cap])
+    return [[trainable[k] for k in bucket] for bucket in assignment]
+
+
+@pytest.mark.parametrize("wrong,hint", [
+    (_greedy(order="forward"), "forward \\(registration\\) order"),
+    (_greedy(cap_test="after"), "over the cap"),
+    (_greedy(cap_test="exclusive"), "the cap is inclusive"),
+    (_greedy(dtype_split=False), "mixes"),
+    (_greedy(frozen=True), "requires_grad=False"),
+    (_greedy(count_opener=False), "opens a bucket"),
+    (_flushes_the_current_bucket, "is empty"),
+    (_greedy(in_place=True), "params.reverse\\(\\)"),
+    (_greedy(indices=False), "not the tensor itself"),
+    (lambda params, cap: [[i] for i in range(len(params) - 1, -1, -1) if params[i].requires_grad], "still fits"),
+    (lambda params, cap: [[i for i in range(len(params) - 1, -1, -1) if params[i].requires_grad]], "over the cap|mixes"),
+    (_torchs_rule, "over the cap|in reverse registration order"),
+    (lambda params, cap: None, "forget `return`"),
+])
+def test_bucket_plan_rejects_realistic_mistakes(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks.bucket_plan(wrong)
+
+
+def test_bucket_plan_refuses_labkits_and_torchs_bucketing():
+    import torch
+
+    import labkit.checks
+    from labkit.checks._core import DelegationRefused
+    from labkit.dist import bucket_parameters
+
+    for delegating in (lambda params, cap: bucket_plan(params, cap), lambda params, cap: _torchs_rule(params, cap),
+                       lambda params, cap: bucket_parameters(params, cap / 2**20)):
+        with pytest.raises(DelegationRefused, match="write it yourself"):
+            labkit.checks.bucket_plan(delegating)
+    assert torch.distributed._compute_bucket_assignment_by_size([torch.zeros(4)], [8])[0] == [[0]]  # restored after
+
+
+# ----------------------------------------------------------------------------- exercises 5 and 6: a bucketed DDP and ZeRO-1
 # The right answers are the notebook's own %%writefile cells; each mistake is a small edit of them, written to a file
 # (the grader's ranks import it), as a learner's cell would be.
 import json  # noqa: E402
@@ -182,8 +294,10 @@ DDP_MISTAKES = {
                                     ("            handle.wait()", "            dist.all_reduce(flat)")], "during backward"),
     "blocking all-reduce in the hook": ([("dist.all_reduce(flat, async_op=True)", "dist.all_reduce(flat, async_op=False)"),
                                          ("            handle.wait()", "            handle is None or handle.wait()")], "async_op=True"),
-    "one all-reduce per parameter": ([("bucket_parameters(params, bucket_size_mb)", "[[p] for p in reversed(params)]")],
+    "one all-reduce per parameter": ([("[[params[i] for i in bucket] for bucket in buckets]", "[[p] for p in reversed(params)]")],
                                      "one per bucket"),
+    "one all-reduce for the whole model": ([("[[params[i] for i in bucket] for bucket in buckets]", "[params[::-1]]")],
+                                           "one per bucket"),
     "never waits": ([("            handle.wait()\n", "")], "wait"),
     "no broadcast": ([("            dist.broadcast(p.data, src=0)", "            pass")], "broadcast rank 0's parameters"),
     "keeps the counts of the last step": ([("        self.ready = [0] * len(self.buckets)\n        # END", "        # END")],

@@ -16,9 +16,11 @@ from labkit.dist import (
     RankFailedError,
     allreduce_time,
     bucket_parameters,
+    bucket_plan,
     flat_shard_layout,
     gradient_collective,
     launch,
+    overlap_timeline,
     ring_allreduce_step,
     ring_chunk,
 )
@@ -54,7 +56,7 @@ WORLD = 4  # with 2 ranks the left and right neighbours coincide: a ring sending
 def demos():
     return launch(dist_demos.several, world_size=WORLD, backend="gloo", timeout=300, quiet=True, demos={
         "hello": {}, "collectives": {"numel": 3}, "ring_vs_all_reduce": {"numel": 101},
-        "data_parallel": {"steps": 2}, "zero1": {"steps": 2}, "fsdp": {"steps": 2},
+        "data_parallel": {"steps": 2}, "zero1": {"steps": 2}, "zero1_mixed_precision": {"steps": 2}, "fsdp": {"steps": 2},
     })
 
 
@@ -147,6 +149,24 @@ def test_sharded_optimizer_matches_and_shards_state(demos):
     assert paper_shards == [8 * padded // WORLD] * WORLD  # AdamW's m and v of exactly one shard (labkit's step is an int)
     assert sum(broadcast_shards) == full  # every state tensor lives on exactly one rank
     assert max(broadcast_shards) < 1.5 * full / WORLD
+    torchs = [demos[r]["zero1"]["torch ZeroRedundancyOptimizer"] for r in range(WORLD)]
+    assert all(t["max_abs_diff"] < 1e-5 for t in torchs) and sum(t["state_bytes_sharded"] for t in torchs) == full
+    assert torchs[0]["sent_per_step"] == demos[0]["zero1"]["broadcast variant"]["sent_per_step"]  # the same design
+
+
+def test_fsdp2_sends_two_all_gathers_of_the_blocks_and_one_of_the_root_and_a_reduce_scatter(demos):
+    out = demos[0]["fsdp"]
+    n, shards, blocks = WORLD, out["shard_bytes"], out["layer_shard_bytes"]
+    assert out["sent_per_step"] == {"all_gather": (n - 1) * (shards + blocks), "reduce_scatter": (n - 1) * shards}
+
+
+def test_mixed_precision_zero1_shards_the_fp32_master_and_sends_bf16(demos):
+    for r in range(WORLD):
+        out, fp32 = demos[r]["zero1_mixed_precision"], demos[r]["zero1"]
+        assert out["param_dtype"] == "torch.bfloat16" and out["master_dtype"] == "torch.float32"
+        assert out["master_bytes"] + out["state_bytes"] == 12 * out["padded"] // WORLD  # K = 12 bytes, sharded
+        assert 2 * sum(out["sent_per_step"].values()) == sum(fp32["sent_per_step"].values())
+        assert out["losses"][-1] < out["losses"][0]
 
 
 def test_zero1_and_ddp_send_what_the_ring_formulas_say(demos):
@@ -232,6 +252,65 @@ def test_bucket_parameters_groups_in_reverse_up_to_the_limit():
     for bad in (0, -1, "1", True):
         with pytest.raises(ValueError, match="bucket_size_mb"):
             bucket_parameters(params, bad)
+
+
+def test_bucket_plan_reverses_skips_frozen_splits_dtypes_and_keeps_the_cap_inclusive():
+    def param(n, dtype=torch.float32, trainable=True):
+        return torch.nn.Parameter(torch.zeros(n, dtype=dtype), requires_grad=trainable)
+
+    params = [param(100, trainable=False), param(100), param(50, torch.bfloat16), param(25, torch.bfloat16), param(300),
+              param(10), param(40)]  # bytes: 400 (frozen), 400, 100, 50, 1200, 40, 160
+    assert bucket_plan(params, 200) == [[6, 5], [4], [3, 2], [1]]  # 160 + 40 = 200 fits: the cap is inclusive
+    assert bucket_plan(params, 199) == [[6], [5], [4], [3, 2], [1]]
+    assert bucket_plan(params, 1) == [[6], [5], [4], [3], [2], [1]]
+    assert bucket_plan(params, 10**9) == [[6, 5, 4], [3, 2], [1]]  # a dtype change starts a bucket
+    assert bucket_plan([param(4, trainable=False)], 8) == [] and bucket_plan([], 8) == []
+    for bad in (0, -1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="bucket_cap_bytes"):
+            bucket_plan(params, bad)
+    with pytest.raises(TypeError, match="params"):
+        bucket_plan(iter(params), 8)
+
+
+def test_bucket_plan_agrees_with_torchs_rule_where_the_caps_are_met_exactly():
+    """torch's _compute_bucket_assignment_by_size closes a bucket once it holds the cap (so may pass it): on sizes
+    that meet the cap exactly, and one dtype, the two rules cut the same buckets."""
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (8, 8, 16, 4, 12, 16)]  # fp32: 32, 32, 64, 16, 48, 64 bytes
+    ours = bucket_plan(params, 64)
+    theirs, _ = torch.distributed._compute_bucket_assignment_by_size(params[::-1], [64])
+    assert ours == [[len(params) - 1 - i for i in bucket] for bucket in theirs] == [[5], [4, 3], [2], [1, 0]]
+
+
+def test_no_sync_accumulates_locally_and_all_reduces_once():
+    out = launch(dist_demos.gradient_accumulation, world_size=2, micro_batches=2, global_batch=8, quiet=True)
+    for rank in (0, 1):
+        r = out[rank]
+        one = 2 * (2 - 1) / 2 * r["grad_bytes"]
+        assert r["no_sync until the last"]["sent"] == one and r["all-reduce every micro-batch"]["sent"] == 2 * one
+        for way in ("all-reduce every micro-batch", "no_sync until the last", "torch DDP no_sync"):
+            assert r[way]["max_grad_diff"] < 1e-5, way
+
+
+def test_overlap_timeline_hides_what_ends_before_backward_and_queues_the_rest():
+    # three gradients of 100 bytes, one second of backward each; all-reduce = 1 s per 100 bytes on 2 ranks
+    args = dict(world_size=2, bandwidth=100.0)
+    per_grad = overlap_timeline([100, 100, 100], [1, 1, 1], 100, **args)
+    assert per_grad["timeline"] == [(1, 2), (2, 3), (3, 4)] and per_grad["exposed"] == 1 and per_grad["buckets"] == 3
+    one = overlap_timeline([100, 100, 100], [1, 1, 1], 10**6, **args)
+    assert one["timeline"] == [(3, 6)] and one["exposed"] == one["communication"] == 3
+    queued = overlap_timeline([300, 100], [0, 1], 100, **args)  # the second waits for the first all-reduce
+    assert queued["timeline"] == [(0, 3), (3, 4)] and queued["exposed"] == 3
+    with pytest.raises(ValueError, match="equal"):
+        overlap_timeline([1, 2], [1], 10, **args)
+
+
+def test_start_rank_server_returns_at_once_and_launch_reuses_it():
+    start = time.monotonic()
+    labkit.dist.start_rank_server()
+    assert time.monotonic() - start < 2  # the server imports torch in the background
+    server = labkit.dist._rank_server_pid()
+    assert server is not None and launch(dist_demos.hello, world_size=2, quiet=True)[1].startswith("rank 1")
+    assert labkit.dist._rank_server_pid() == server
 
 
 def test_the_meter_lives_in_dist_and_chapter_08_still_has_it():

@@ -527,3 +527,15 @@ def test_activation_terms_refuse_moe_options_they_do_not_count():
     for option in ({"capacity_factor": 1.25}, {"router_noise": True}):
         with pytest.raises(ValueError, match="config.moe"):
             activation_terms(_config(moe=MoEConfig(num_experts=4, **option)), 1, 8)
+
+
+def test_autocast_weight_copies_finds_the_saved_bf16_copy_of_every_matmul_weight():
+    from labkit.memory import autocast_weight_copies
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), Linear(8, 16), torch.nn.LayerNorm(16), Linear(16, 4))
+    x = torch.randint(0, 10, (3, 5))
+    copies = autocast_weight_copies(model, lambda: model(x).float().square().mean())
+    assert copies == {"1.weight": 2 * 16 * 8, "3.weight": 2 * 4 * 16}  # the embedding and the norm are not cast
+    with pytest.raises(TypeError, match="model"):
+        autocast_weight_copies(lambda: None, lambda: None)

@@ -47,6 +47,8 @@ DELEGATES: dict[str, tuple[str, ...]] = {
     "adamw_mixed_precision_bytes": ("labkit.memory.adamw_mixed_precision_bytes",),
     "ring_allreduce_step": ("labkit.dist.ring_allreduce_step",),
     "gradient_collective": ("labkit.dist.gradient_collective",),
+    "bucket_plan": ("labkit.dist.bucket_plan", "labkit.dist.bucket_parameters", "labkit.dist._greedy_buckets",
+                    "torch.distributed._compute_bucket_assignment_by_size"),
     "column_parallel_linear": ("labkit.parallel.ColumnParallelLinear", "labkit.parallel.copy_to_tensor_parallel",
                                "labkit.parallel.reduce_from_tensor_parallel"),
     "row_parallel_linear": ("labkit.parallel.RowParallelLinear", "labkit.parallel.copy_to_tensor_parallel",

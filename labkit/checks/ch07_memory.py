@@ -19,7 +19,8 @@ from labkit.dist import gradient_collective as _gradient_collective
 from labkit.dist import ring_allreduce_step as _ring_allreduce_step
 from labkit.memory import model_state_bytes, optimizer_state_bytes
 
-__all__ = ["adamw_mixed_precision_bytes", "ring_allreduce_step", "gradient_collective", "bucketed_ddp", "zero1_optimizer",
+__all__ = ["adamw_mixed_precision_bytes", "ring_allreduce_step", "gradient_collective", "bucket_plan", "bucketed_ddp",
+           "zero1_optimizer",
            "exercise_folder", "import_file"]
 
 _BYTES_HINTS = {
@@ -152,7 +153,138 @@ def gradient_collective(fn) -> None:
     passed("gradient_collective", f"DDP all-reduces gradients; ZeRO-2/3 and FSDP reduce-scatter them; {note}")
 
 
-# ============================================================================ exercises 4 and 5: DDP and ZeRO-1 on real ranks
+# ============================================================================ exercise 4: DDP's bucket plan
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _bucket_cases(rng: random.Random) -> list[dict]:
+    """Models as (numel, dtype, requires_grad) per parameter, in registration order, and a cap in bytes."""
+    def sizes(n):
+        return [rng.randint(1, 40) for _ in range(n)]
+
+    cases = []
+    plain = [(n, "fp32", True) for n in sizes(rng.randint(7, 10))]
+    cases.append(("an fp32 model, the cap between its largest parameter and its total", plain,
+                  4 * rng.randint(max(n for n, _, _ in plain), sum(n for n, _, _ in plain) // 2)))
+    exact = [(n, "fp32", True) for n in sizes(8)]
+    cases.append(("an fp32 model whose last three parameters fill the cap exactly", exact, 4 * sum(n for n, _, _ in exact[-3:])))
+    mixed = [(n, rng.choice(["fp32", "bf16"]) if i % 3 else "fp32", True) for i, n in enumerate(sizes(12))]
+    mixed[-2:] = [(mixed[-2][0], "bf16", True), (mixed[-1][0], "fp32", True)]  # at least one dtype change at the end
+    cases.append(("a model of fp32 and bf16 parameters, the cap larger than all of them", mixed, 4 * sum(n for n, _, _ in mixed)))
+    cases.append(("a model of fp32 and bf16 parameters", mixed, 4 * max(n for n, _, _ in mixed) + 2 * rng.randint(0, 8)))
+    frozen = [(n, "fp32", i % 3 != 1) for i, n in enumerate(sizes(10))]
+    frozen[0] = (frozen[0][0], "fp32", False)  # a frozen embedding, and frozen parameters in between
+    cases.append(("a model with frozen parameters (requires_grad=False)", frozen, 4 * sum(n for n, _, _ in frozen[-4:])))
+    big = [(n, "fp32", True) for n in sizes(9)]
+    cap = 4 * max(n for n, _, _ in big) * 2
+    big[4] = (cap // 4 + rng.randint(5, 30), "fp32", True)  # one parameter larger than the cap, in the middle
+    cases.append(("a model with one parameter larger than the cap", big, cap))
+    small = [(n, rng.choice(["fp32", "fp16"]), True) for n in sizes(6)]
+    cases.append(("a cap smaller than every parameter", small, 1))
+    cases.append(("a cap larger than the whole model", plain, 4 * sum(n for n, _, _ in plain) + 4))
+    cases.append(("a model with no trainable parameter", [(n, "fp32", False) for n in sizes(3)], 64))
+    return cases
+
+
+def _parameters(spec: list[tuple]) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(len(spec))
+    return [torch.nn.Parameter(torch.randn(n, generator=gen).to(_DTYPES[d]), requires_grad=rg) for n, d, rg in spec]
+
+
+def _plan_fault(plan, params: list[torch.Tensor], cap: int) -> str | None:
+    """What is wrong with ``plan`` (indices into ``params``) as a bucket plan with byte cap ``cap``, or None."""
+    nbytes = [p.numel() * p.element_size() for p in params]
+    trainable = [i for i, p in enumerate(params) if p.requires_grad]
+    flat = [i for bucket in plan for i in bucket]
+    frozen = [i for i in flat if not params[i].requires_grad]
+    if frozen:
+        return (f"parameter {frozen[0]} (requires_grad=False) is in a bucket: a frozen parameter gets no gradient, so DDP "
+                "has nothing to all-reduce for it; leave out every parameter with p.requires_grad False")
+    if sorted(flat) != trainable:
+        missing, twice = sorted(set(trainable) - set(flat)), sorted({i for i in flat if flat.count(i) > 1})
+        return (f"every trainable parameter in exactly one bucket (missing {missing}, more than once {twice})")
+    if flat != trainable[::-1]:
+        if flat == trainable:
+            return ("the buckets are in forward (registration) order: backward produces gradients roughly last layer "
+                    "first, so walk the parameters in REVERSE order (the first bucket holds the last parameters)")
+        return "read in order, the buckets must list the trainable parameters in reverse registration order, each once"
+    for b, bucket in enumerate(plan):
+        if not bucket:
+            return (f"bucket {b} is empty: no bucket is empty (a parameter larger than the cap must not leave an "
+                    "empty bucket before it: start a new bucket only when the current one holds something)")
+        dtypes = sorted({str(params[i].dtype).replace("torch.", "") for i in bucket})
+        if len(dtypes) > 1:
+            return (f"bucket {b} mixes {' and '.join(dtypes)}: a bucket's gradients become one flat buffer and one "
+                    "all-reduce, in one dtype, so a dtype change starts a new bucket")
+        size = sum(nbytes[i] for i in bucket)
+        if size > cap and len(bucket) > 1:
+            over = [i for i in bucket if nbytes[i] > cap]
+            if over:
+                return (f"bucket {b} puts parameter {over[0]} ({nbytes[over[0]]} B, larger than the cap of {cap} B) with "
+                        "others: a parameter larger than the cap gets a bucket of its own, and the NEXT parameter starts "
+                        "a new bucket (count the bytes of the parameter that opens a bucket, too)")
+            opener = (" (without its first parameter it would fit: count the bytes of the parameter that opens a "
+                      "bucket too)" if size - nbytes[bucket[0]] <= cap else "")
+            return (f"bucket {b} holds {size} B, over the cap of {cap} B: start a new bucket when adding the next "
+                    f"parameter would take the bucket past the cap (check before adding it, not after){opener}")
+    for b in range(len(plan) - 1):
+        this, following = plan[b], plan[b + 1][0]
+        if params[following].dtype == params[this[0]].dtype and sum(nbytes[i] for i in this) + nbytes[following] <= cap:
+            return (f"bucket {b + 1}'s first parameter ({nbytes[following]} B) still fits into bucket {b} "
+                    f"({sum(nbytes[i] for i in this)} B, same dtype, cap {cap} B): fill a bucket until the next parameter "
+                    "would EXCEED the cap; the cap is inclusive (a bucket of exactly the cap is allowed)")
+    return None
+
+
+def _as_plan(got, tried: str) -> list[list[int]]:
+    if not isinstance(got, (list, tuple)):
+        fail(tried, f"a {type(got).__name__}", "a list of buckets, each a list of parameter indices",
+             "return the plan, e.g. [[5, 4], [3, 2, 1]]" + (": did you forget `return`?" if got is None else ""))
+    for bucket in got:
+        if not isinstance(bucket, (list, tuple)):
+            fail(tried, f"a bucket that is a {type(bucket).__name__}", "each bucket a list of indices", "return a list of lists")
+        for i in bucket:
+            if isinstance(i, torch.Tensor):
+                fail(tried, "a bucket of tensors", "indices into params (ints)",
+                     "return each parameter's position in params (enumerate(params)), not the tensor itself: indices "
+                     "say which parameter is which, and can be sent to other ranks")
+            if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+                fail(tried, f"a bucket holding {i!r}", "indices into params (ints)", "return each parameter's position in params")
+    return [[int(i) for i in bucket] for bucket in got]
+
+
+def bucket_plan(fn) -> None:
+    """Grades ``fn(params, bucket_cap_bytes) -> list of buckets`` (lists of indices into ``params``): DDP's
+    gradient buckets, as :func:`labkit.dist.bucket_plan` documents them, on random models with mixed dtypes,
+    frozen parameters, a parameter larger than the cap, a cap smaller than every parameter and one larger
+    than the model. ``params`` is left as it was; two calls give the same plan."""
+    from labkit.dist import bucket_plan as reference
+
+    for label, spec, cap in _bucket_cases(random.Random()):
+        params = _parameters(spec)
+        layout = ", ".join(f"{i}: {n}×{d}{'' if rg else ' frozen'}" for i, (n, d, rg) in enumerate(spec))
+        tried = f"bucket_plan(params, bucket_cap_bytes={cap}) on {label} (params {layout})"
+        given = list(params)
+        flags = [p.requires_grad for p in params]
+        got = _as_plan(call(fn, tried, given, cap), tried)
+        if len(given) != len(params) or any(a is not b for a, b in zip(given, params)):
+            fail(tried, "params reordered or changed by the call", "the caller's list left as it was",
+                 "walk a reversed copy (reversed(params), params[::-1]): params.reverse() or .pop() change the caller's list")
+        if [p.requires_grad for p in params] != flags:
+            fail(tried, "requires_grad changed by the call", "the parameters left as they were", "only read p.requires_grad")
+        fault = _plan_fault(got, params, cap)
+        expected = reference(params, cap)
+        if fault is not None or got != expected:
+            fail(tried, repr(got), repr(expected), fault or "cut the reversed trainable parameters greedily by bytes and dtype")
+        if _as_plan(call(fn, tried + " (a second time)", list(params), cap), tried) != got:
+            fail(tried + " (called twice)", "a different plan on the second call", "the same plan for the same model",
+                 "does your function keep state between calls?")
+    passed("bucket_plan", "reverse registration order, trainable parameters only, one dtype per bucket, at most the cap "
+                          "(inclusive) unless a parameter alone is larger; mixed dtypes, frozen and oversized parameters, "
+                          "caps below and above every parameter")
+
+
+# ============================================================================ exercises 5 and 6: DDP and ZeRO-1 on real ranks
 # The learner's classes live in a file (the ranks are new processes: they can only run code they can import).
 # Each grader launches ONE group of gloo ranks that runs every case (a launch costs seconds), collects
 # measurements (parameters, gradients, what CommMeter counted, which handles were waited) and judges them here.
@@ -297,7 +429,7 @@ def _ddp_rank(rank: int, world_size: int, path: str, name: str, cases: list[dict
 
     import torch.distributed as dist
 
-    from labkit.dist import CommMeter, bucket_parameters
+    from labkit.dist import CommMeter, bucket_plan
 
     out = []
     with _ReportErrors(report, rank) as errors:
@@ -308,10 +440,11 @@ def _ddp_rank(rank: int, world_size: int, path: str, name: str, cases: list[dict
             model = copy.deepcopy(reference) if rank == 0 else _mlp(case["widths"], dtype, case["seed"] + 1 + rank)
             x, y = _batch(case["widths"], case["batch"], dtype, case["seed"] + 99)
             rows = slice(rank * case["batch"] // world_size, (rank + 1) * case["batch"] // world_size)
-            errors.tried = f"{name}(model, bucket_size_mb={case['bucket_size_mb']}) {case['label']}"
-            ddp = cls(model, case["bucket_size_mb"])
+            plan = bucket_plan(list(model.parameters()), case["bucket_cap_bytes"])
+            errors.tried = f"{name}(model, buckets={plan}) {case['label']}"
+            ddp = cls(model, plan)
             result = {"start_diff": (_flat(model.parameters()) - _flat(reference.parameters())).abs().max().item(),
-                      "buckets": len(bucket_parameters([p for p in model.parameters()], case["bucket_size_mb"])),
+                      "buckets": len(plan),
                       "numel": sum(p.numel() for p in model.parameters()), "steps": []}
             worst = torch.tensor([result["start_diff"]], dtype=torch.float64)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # every rank must take the same branch (or they would hang)
@@ -451,9 +584,9 @@ def _ddp_cases(rng: random.Random, world: int) -> list[dict]:
         widths = [rng.randint(3, 24) for _ in range(rng.randint(3, 5))]
         numel = sum(a * b + b for a, b in zip(widths, widths[1:]))
         size = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
-        bucket_mb = 25.0 if buckets == 1 else numel * size / buckets / 2**20 * rng.uniform(0.9, 1.1)
+        cap = 25 * 2**20 if buckets == 1 else int(numel * size / buckets * rng.uniform(0.9, 1.1))
         batch = world * rng.randint(2, 4)
-        cases.append(dict(widths=widths, dtype=dtype, steps=steps, bucket_size_mb=bucket_mb, batch=batch, lr=0.2,
+        cases.append(dict(widths=widths, dtype=dtype, steps=steps, bucket_cap_bytes=cap, batch=batch, lr=0.2,
                           seed=rng.randrange(10**6),
                           label=f"({world} ranks, {dtype} MLP of widths {widths}: {numel} parameters, a batch of {batch} "
                                 f"rows split over the ranks, {steps} SGD step(s))"))
@@ -461,9 +594,10 @@ def _ddp_cases(rng: random.Random, world: int) -> list[dict]:
 
 
 def bucketed_ddp(cls) -> None:
-    """Grades the learner's ``BucketedDDP(module, bucket_size_mb)`` (a class in a file the notebook writes):
-    on 4 gloo ranks, for fp32 and bf16 MLPs of random widths and bucket sizes, it must start every rank
-    from rank 0's parameters, all-reduce each bucket of :func:`labkit.dist.bucket_parameters` once,
+    """Grades the learner's ``BucketedDDP(module, buckets)`` (a class in a file the notebook writes; ``buckets``
+    is a bucket plan: lists of indices into ``list(module.parameters())``, as :func:`bucket_plan` returns them):
+    on 4 gloo ranks, for fp32 and bf16 MLPs of random widths and bucket caps, it must start every rank
+    from rank 0's parameters, all-reduce each bucket of the plan (:func:`labkit.dist.bucket_plan`'s) once,
     asynchronously, from gradient hooks *during* backward, wait for every handle in
     ``finish_gradient_synchronization()``, leave the mean gradient (in the parameters' dtype) in each
     ``.grad``, send ``2(N-1)/N`` of the gradients' bytes per step, and train like one process on the
@@ -507,8 +641,8 @@ def bucketed_ddp(cls) -> None:
                          "async_op=True, keep the handle, and wait for it in finish_gradient_synchronization")
                 if len(calls) != buckets or during != buckets:
                     fail(f"{at}, rank {rank}", f"{len(calls)} all-reduce call(s), {during} of them during backward",
-                         f"{buckets}, one per bucket of labkit.dist.bucket_parameters(params, bucket_size_mb), all during backward",
-                         "group the parameters with bucket_parameters (reverse order, up to bucket_size_mb MiB each), flatten "
+                         f"{buckets}, one per bucket of the plan passed in, all during backward",
+                         "group the parameters as the plan says (buckets[b] lists indices into list(module.parameters())), flatten "
                          "a bucket's gradients into one buffer and all-reduce it once, when its last gradient is ready "
                          "(the last bucket fills during backward too)" + later)
                 if not all(c["waited"] for c in calls):
