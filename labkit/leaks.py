@@ -11,7 +11,8 @@ give its answer away:
 - ``most lines``: at least half of the solution's lines (and two or more) match lines of one cell above, in
   any order;
 - ``show_source``: a cell above calls ``show_source`` on the function or class the exercise grades, or on a
-  member of it (``show_source(L.LoRALinear.forward)`` before the ``LoRALinear`` exercise).
+  member of it (``show_source(L.LoRALinear.forward)`` before the ``LoRALinear`` exercise), or on labkit's
+  implementation of it as the grader's refusal lists it (``labkit.checks._refusal.DELEGATES``).
 
 It finds copies, not paraphrases: an earlier cell that computes the same thing in other code needs a reader.
 
@@ -147,6 +148,8 @@ def answer_leaks(notebook: dict) -> list[Leak]:
     """Every place above a graded exercise of ``notebook`` (nbformat 4, as a dict) that shows its answer."""
     cells = notebook["cells"]
     leaks = []
+    # a delegate that is itself an exercise of the chapter is judged by its own exercise (shown after it is fine)
+    graded = {name for cell in cells if cell["cell_type"] == "code" for name in GRADER_CALL.findall(cell_source(cell))}
     for index, cell in enumerate(cells):
         source = cell_source(cell)
         if cell["cell_type"] != "code" or BEGIN not in source:
@@ -159,7 +162,7 @@ def answer_leaks(notebook: dict) -> list[Leak]:
             if earlier["cell_type"] == "code":
                 texts.append(("output", shown_output(earlier)))
                 for call in SHOW_SOURCE.findall(texts[0][1]):
-                    if set(call.split(".")) & set(graders):
+                    if set(call.split(".")) & (set(graders) | (_delegate_names(graders) - graded)):
                         leaks.append(Leak(index, graders, above, "show_source", "source", (f"show_source({call})",)))
             for where, text in texts:
                 shown = _shapes(text)
@@ -168,6 +171,15 @@ def answer_leaks(notebook: dict) -> list[Leak]:
                 elif len(matched := _matched_lines(solution, shown)) >= max(2, MOST * len(solution)):
                     leaks.append(Leak(index, graders, above, "most lines", where, matched))
     return leaks
+
+
+def _delegate_names(graders: tuple[str, ...]) -> set[str]:
+    """The last names of labkit's implementations of these exercises (the graders' refused delegates): printing
+    ``dist.ShardedOptimizer.step`` above the ZeRO-1 exercise shows its answer as surely as printing the grader's
+    namesake would."""
+    from labkit.checks._refusal import DELEGATES
+
+    return {name.rsplit(".", 1)[-1] for grader in graders for name in DELEGATES.get(grader, ()) if name.startswith("labkit.")}
 
 
 def _graders_after(cells: list[dict], index: int) -> list[str]:

@@ -75,3 +75,14 @@ def test_no_chapter_shows_an_answer_above_its_exercise(path):
                      "the exercise) or rewrite them:\n  " + "\n  ".join(new))
     gone = known - found
     assert not gone, f"no longer shown above their exercise: {sorted(gone)}; delete them from KNOWN in {__file__}"
+
+
+def test_show_source_of_labkits_implementation_of_the_exercise_is_found():
+    zero1 = ("class MyZero1:\n    # BEGIN SOLUTION\n    def step(self):\n        pass\n    # END SOLUTION\n\n"
+             "checks.zero1_optimizer(MyZero1)")
+    leaks = answer_leaks(chapter(code("labkit.show_source(dist.ShardedOptimizer.step)"), code(zero1)))
+    assert [leak.kind for leak in leaks] == ["show_source"]  # ShardedOptimizer is the ZeRO-1 grader's refused delegate
+    # a delegate with an exercise of its own is judged by that exercise: shown after it, it is no leak for the next one
+    e8m0 = "def mine(a, e):\n    # BEGIN SOLUTION\n    return a\n    # END SOLUTION\n\nchecks.e8m0_exponent(mine)"
+    mx = "def mx(x, f):\n    # BEGIN SOLUTION\n    return x\n    # END SOLUTION\n\nchecks.mx_quantize(mx)"
+    assert answer_leaks(chapter(code(e8m0), code("labkit.show_source(B.e8m0_exponent)"), code(mx))) == []
