@@ -11,12 +11,15 @@ Everything here is written out in PyTorch so it can be read line by line:
   :func:`nf4_quantize` with one absmax per block of 64 and, optionally, double quantization of
   those absmax values.
 * **Outliers** - :func:`int8_mixed_matmul`, LLM.int8()'s decomposition: the few huge feature
-  dimensions stay in 16/32-bit, the rest go through an int8 x int8 -> int32 matmul.
+  dimensions stay in 16/32-bit, the rest go through an int8 x int8 -> int32 matmul;
+  :func:`smoothquant_scales`, SmoothQuant's migration of the activations' range into the weights.
 * **GPTQ** - :func:`gptq_quantize`: quantize a layer column by column and let the columns not yet
-  quantized absorb each rounding error, using the inverse Hessian of the layer's own inputs.
+  quantized absorb each rounding error, using the inverse Hessian of the layer's own inputs;
+  :func:`awq_quantize`, AWQ's activation-aware scales searched on the same inputs.
 * **Models** - :class:`QuantLinear` (packed weight-only int2..int8 / NF4, optionally the Triton
   kernel ``labkit.kernels.quant_matmul``), :func:`quantize_model`, :func:`evaluate_adder` and
   :func:`compare_quantizations` for accuracy vs bits per parameter on the shipped tiny adder.
+* **KV cache** - :class:`QuantizedKVCache`, keys and values stored in 8 or fewer bits.
 * **Play** - :func:`quantization_explorer`, the widget's callback.
 """
 from __future__ import annotations
@@ -312,9 +315,12 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
 
     ``codes``: ``int8`` holding signed codes in ``[-8, 7]``, stored as 4-bit two's complement
     (``-1`` -> ``0b1111``), or ``uint8`` holding unsigned codes in ``[0, 15]``. The last dim must
-    be even. Returns ``uint8`` with the last dim halved. Low-nibble-first is the order of a
-    little-endian bit stream, the one GPTQ/AWQ int32 packing uses, so :func:`pack_bits` packs
-    any width the same way (bitsandbytes, by contrast, puts the first code in the high nibble).
+    be even; any memory layout (a transposed or sliced view) is fine. Returns ``uint8`` with the
+    last dim halved. Low-nibble-first is the order of a little-endian bit stream, so
+    :func:`pack_bits` packs any width the same way. Checkpoint formats differ: GPTQ packs 8
+    consecutive input features per int32, low nibble first (``[K/8, N]``); AWQ packs 8 output
+    features per int32 in the order ``[0, 2, 4, 6, 1, 3, 5, 7]``; bitsandbytes puts the first
+    code in the high nibble.
     """
     _check_codes(codes, 4)
     if codes.dim() == 0 or codes.shape[-1] % 2:
@@ -413,6 +419,31 @@ def nearest_level(normalized: torch.Tensor, levels: torch.Tensor) -> torch.Tenso
     level, as bitsandbytes' comparison tree does."""
     midpoints = (levels[1:] + levels[:-1]) / 2
     return torch.bucketize(normalized.contiguous(), midpoints.to(normalized.device)).to(torch.uint8)
+
+
+def lloyd_max_levels(values: torch.Tensor, count: int = 16, iterations: int = 50) -> torch.Tensor:
+    """The ``count`` levels (fp32, ascending) that minimise the mean squared error of rounding
+    ``values`` to the nearest level: Lloyd's algorithm (1-D k-means), started at the quantiles
+    ``(i + 1/2) / count`` of the values. Each step assigns every value to its nearest level
+    (:func:`nearest_level`) and moves each level to the mean of its values; the error never rises.
+
+    NF4's levels have equal *probability* (each code used equally often), which maximises the
+    information per code, not the accuracy: the MSE-optimal (Lloyd-Max) levels of the same data
+    sit closer to the tails, and have no exact 0 or +-1.
+    """
+    _check_float_tensor("values", values)
+    if isinstance(count, bool) or not isinstance(count, int) or not 2 <= count <= 256:
+        raise ValueError(f"count={count!r}: expected an integer from 2 to 256 (codes of at most 8 bits)")
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
+        raise ValueError(f"iterations={iterations!r}: expected a non-negative integer")
+    flat = values.detach().float().reshape(-1)
+    levels = torch.quantile(flat, (torch.arange(count, dtype=torch.float32, device=flat.device) + 0.5) / count)
+    for _ in range(iterations):
+        nearest = nearest_level(flat, levels).long()
+        sums = torch.zeros_like(levels).index_add_(0, nearest, flat)
+        counts = torch.bincount(nearest, minlength=count).to(levels.dtype)
+        levels = torch.where(counts > 0, sums / counts.clamp(min=1), levels).sort().values
+    return levels
 
 
 def nf4_encode(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -558,6 +589,31 @@ def int8_mixed_matmul(x: torch.Tensor, weight: torch.Tensor, threshold: float = 
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0]), outlier.nonzero().squeeze(1)
 
 
+def smoothquant_scales(x: torch.Tensor, weight: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+    """SmoothQuant's per-input-feature smoothing factors (Xiao et al., 2022): fp32 ``s [d_in]`` with
+    ``s_j = max|x_j|^alpha / max|w_j|^(1 - alpha)``, over the tokens of ``x [..., d_in]`` and the
+    output rows of ``weight [d_out, d_in]``.
+
+    ``y = x W^T = (x / s) (W * s)^T`` exactly, but ``x / s`` has its outlier features shrunk and
+    ``W * s`` takes them on: ``alpha`` says how much of the range moves into the weights (0: none of
+    the activations' range is moved, the weight's columns are equalised instead; 1: every activation
+    feature ends with the same max, 1). The paper uses 0.5 for most models. A feature that is zero in
+    ``x`` or in the weight gets ``s_j = 1``.
+    """
+    _check_float_tensor("x", x)
+    _check_float_tensor("weight", weight)
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"weight: expected shape [d_out, {x.shape[-1]}] (x's last dim), got {tuple(weight.shape)}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+        raise ValueError(f"alpha={alpha!r}: expected a number from 0 to 1")
+    x_max = x.detach().reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
+    w_max = weight.detach().abs().amax(dim=0).float().to(x_max.device)
+    used = (x_max > 0) & (w_max > 0)
+    tiny = torch.finfo(torch.float32).tiny  # keeps 0 ** negative powers finite where ``used`` is False
+    scales = x_max.clamp(min=tiny).pow(alpha) / w_max.clamp(min=tiny).pow(1 - alpha)
+    return torch.where(used, scales, torch.ones_like(scales))
+
+
 def int8_matmul_int32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b^T`` of int8 matrices with int32 accumulation, as int8 tensor cores compute it.
 
@@ -575,7 +631,7 @@ def int8_matmul_int32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 # ============================================================================ GPTQ
 def gptq_quantize(weight: torch.Tensor, calibration_inputs: torch.Tensor, bits: int, group_size: int | None = None,
-                  symmetric: bool = True, damp: float = 0.01, block_size: int = 128) -> QuantizedTensor:
+                  symmetric: bool = True, damp: float = 0.01, block_size: int = 128, act_order: bool = False) -> QuantizedTensor:
     """GPTQ (Frantar et al., 2022): quantize ``weight [d_out, d_in]`` so that the layer's output
     on ``calibration_inputs [..., d_in]`` changes as little as possible.
 
@@ -595,6 +651,11 @@ def gptq_quantize(weight: torch.Tensor, calibration_inputs: torch.Tensor, bits: 
     * ``group_size``: a group's scale is computed when the quantizer reaches its first column,
       from the weights as updated so far. Blocks are aligned to whole groups for that.
       ``None``: one scale per output row, from the original weights.
+    * ``act_order`` (the reference code's ``--act-order``): quantize the columns in order of
+      decreasing ``H[j, j]``, the inputs with the most energy first, while the most columns are
+      left to absorb their errors; the codes come back in the original order. One scale per row
+      only: with groups the permuted groups would need an index per column (GPTQ's ``g_idx``),
+      which a :class:`QuantizedTensor` does not store.
 
     ``H`` is built as ``2 X^T X / rows``: dividing by the number of rows changes neither the
     solution nor the relative damping, and keeps the numbers independent of how much data was
@@ -613,6 +674,16 @@ def gptq_quantize(weight: torch.Tensor, calibration_inputs: torch.Tensor, bits: 
         raise ValueError(f"damp={damp}: expected >= 0")
     if block_size < 1:
         raise ValueError(f"block_size={block_size}: expected a positive integer")
+    if act_order:
+        if group_size is not None:
+            raise ValueError(f"act_order=True: needs group_size=None (one scale per row), got group_size={group_size}")
+        X = calibration_inputs.detach().reshape(-1, d_in).float()
+        order = torch.argsort(X.pow(2).sum(dim=0), descending=True, stable=True).to(weight.device)  # diag(H) up to 2 / rows
+        q = gptq_quantize(weight[:, order], calibration_inputs.reshape(-1, d_in)[:, order.to(calibration_inputs.device)], bits,
+                          None, symmetric, damp, block_size)
+        codes = torch.empty_like(q.codes)
+        codes[:, order] = q.codes
+        return QuantizedTensor(codes, q.scale, q.zero_point, bits, symmetric, granularity, None, 1, weight.shape, weight.dtype)
 
     W = weight.detach().float().clone()
     X = calibration_inputs.detach().reshape(-1, d_in).float().to(W.device)
@@ -654,6 +725,47 @@ def gptq_quantize(weight: torch.Tensor, calibration_inputs: torch.Tensor, bits: 
 
     return QuantizedTensor(codes, scales, None if symmetric else zeros.to(torch.uint8), bits, symmetric,
                            granularity, group_size, 1, weight.shape, weight.dtype)
+
+
+def awq_quantize(weight: torch.Tensor, calibration_inputs: torch.Tensor, bits: int, group_size: int | None = None,
+                 grid: int = 20) -> tuple[QuantizedTensor, torch.Tensor, float]:
+    """AWQ (Lin et al., 2023): activation-aware scales for weight-only quantization.
+
+    The weights that meet large activations matter most. AWQ multiplies input column ``j`` of the
+    weight by ``s_j = mean|x_j|^alpha`` before round-to-nearest (and divides the input by it, which
+    a deployment folds into the layer before): ``x W^T = (x / s) (W * s)^T``, but the scaled-up
+    columns now get relatively finer steps. ``alpha`` is searched on ``grid + 1`` points of [0, 1]
+    for the least layer-output error (:func:`layer_output_error`) on ``calibration_inputs``;
+    ``alpha = 0`` is plain round-to-nearest, so AWQ is never worse than it there. As in AWQ's code
+    the scales are normalised by ``sqrt(max s * min s)``.
+
+    Returns ``(q, s, alpha)``: ``q`` the symmetric :func:`quantize` of ``weight * s`` (one scale per
+    row, or per ``group_size`` inputs), ``s`` fp32 ``[d_in]``; the weight it stands for is
+    ``dequantize(q) / s``.
+    """
+    granularity = "channel" if group_size is None else "group"
+    _check_quantize_args(weight, bits, granularity, group_size, -1)
+    if weight.dim() != 2:
+        raise ValueError(f"weight: expected a matrix [d_out, d_in], got shape {tuple(weight.shape)}")
+    _check_float_tensor("calibration_inputs", calibration_inputs)
+    if calibration_inputs.shape[-1] != weight.shape[1]:
+        raise ValueError(f"calibration_inputs: expected shape [..., {weight.shape[1]}] (weight's d_in), "
+                         f"got {tuple(calibration_inputs.shape)}")
+    if isinstance(grid, bool) or not isinstance(grid, int) or grid < 1:
+        raise ValueError(f"grid={grid!r}: expected a positive integer")
+    W = weight.detach().float()
+    X = calibration_inputs.detach().reshape(-1, W.shape[1]).float()
+    mean_abs = X.abs().mean(dim=0).clamp(min=torch.finfo(torch.float32).tiny)  # a dead input keeps a finite scale
+    best = None
+    for step in range(grid + 1):
+        alpha = step / grid
+        s = mean_abs.pow(alpha)
+        s = s / (s.max() * s.min()).sqrt()
+        q = quantize(W * s, bits, True, granularity, group_size)
+        error = layer_output_error(X, W, dequantize(q, torch.float32) / s)
+        if best is None or error < best[0]:
+            best = (error, q, s, alpha)
+    return best[1], best[2], best[3]
 
 
 def layer_output_error(inputs: torch.Tensor, weight: torch.Tensor, quantized_weight: torch.Tensor) -> float:
@@ -858,6 +970,74 @@ def _triton_usable() -> bool:
     from labkit import kernels
 
     return kernels.available()[0]
+
+
+# ============================================================================ the KV cache
+class QuantizedKVCache:
+    """A KV cache (the interface of :class:`labkit.nn.KVCache`) that stores keys and values as
+    ``bits``-bit symmetric integer codes, packed (:func:`pack_bits`), with one fp16 scale per
+    token and head (the absmax over ``head_dim``).
+
+    ``update`` quantizes the new keys and values once, as they are written, and returns the whole
+    cache dequantized: attention then reads exactly what a quantized cache holds. :attr:`nbytes`
+    is measured from the buffers: ``ceil(head_dim * bits / 8) + 2`` bytes per token, head and K or V,
+    against ``4 * head_dim`` in fp32.
+    """
+
+    def __init__(self, bits: int, num_layers: int, batch_size: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
+                 device=None):
+        _check_bits(bits)
+        sizes = dict(num_layers=num_layers, batch_size=batch_size, num_kv_heads=num_kv_heads, max_seq_len=max_seq_len,
+                     head_dim=head_dim)
+        for name, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r}: expected a positive integer")
+        shape = (num_layers, batch_size, num_kv_heads, max_seq_len)
+        self.bits, self.head_dim, self.num_layers, self.max_seq_len = bits, head_dim, num_layers, max_seq_len
+        self.codes = {kind: torch.zeros(*shape, math.ceil(head_dim * bits / 8), dtype=torch.uint8, device=device) for kind in "kv"}
+        self.scales = {kind: torch.ones(shape, dtype=torch.float16, device=device) for kind in "kv"}
+        self._lengths = [0] * num_layers
+
+    @classmethod
+    def for_model(cls, model: nn.Module, batch_size: int, bits: int, max_seq_len: int | None = None) -> "QuantizedKVCache":
+        """An empty cache shaped for ``model`` (a :class:`labkit.model.TransformerLM`), on its device."""
+        cfg = model.config
+        return cls(bits, cfg.num_layers, batch_size, cfg.kv_heads, max_seq_len or cfg.context_length, cfg.dim_per_head,
+                   device=model.token_embeddings.weight.device)
+
+    def length(self, layer_idx: int = 0) -> int:
+        """Number of positions cached for ``layer_idx``."""
+        return self._lengths[layer_idx]
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize and append ``k, v [batch, num_kv_heads, new, head_dim]``; return every cached
+        position of layer ``layer_idx``, dequantized, in ``k``'s dtype."""
+        if not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"layer_idx={layer_idx}: expected 0 <= layer_idx < {self.num_layers}")
+        expected = (*self.scales["k"].shape[1:3], self.head_dim)
+        if k.dim() != 4 or (k.shape[0], k.shape[1], k.shape[3]) != expected or k.shape != v.shape:
+            raise ValueError(f"k, v: expected equal shapes [batch={expected[0]}, num_kv_heads={expected[1]}, new, "
+                             f"head_dim={expected[2]}], got {tuple(k.shape)} and {tuple(v.shape)}")
+        start = self._lengths[layer_idx]
+        end = start + k.shape[2]
+        if end > self.max_seq_len:
+            raise ValueError(f"QuantizedKVCache overflow: {start} cached + {k.shape[2]} new > max_seq_len={self.max_seq_len}")
+        cached = []
+        for kind, new in (("k", k), ("v", v)):
+            q = quantize(new.detach().float(), self.bits, True, "channel", axis=-1)
+            self.codes[kind][layer_idx, :, :, start:end] = pack_bits(q.codes, self.bits)
+            self.scales[kind][layer_idx, :, :, start:end] = q.scale.squeeze(-1).to(torch.float16)
+            codes = unpack_bits(self.codes[kind][layer_idx, :, :, :end], self.bits, self.head_dim, signed=True)
+            cached.append((codes.float() * self.scales[kind][layer_idx, :, :, :end, None].float()).to(k.dtype))
+        self._lengths[layer_idx] = end
+        return cached[0], cached[1]
+
+    append = update
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the code and scale buffers (allocated up front for ``max_seq_len``)."""
+        return sum(t.numel() * t.element_size() for t in (*self.codes.values(), *self.scales.values()))
 
 
 # ============================================================================ whole models

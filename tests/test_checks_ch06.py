@@ -160,6 +160,11 @@ def unpacked(packed, signed):
     return torch.where(nibbles >= 8, nibbles - 16, nibbles).to(torch.int8) if signed else nibbles.to(torch.uint8)
 
 
+def _packed_through_view(codes):
+    pairs = (codes.to(torch.int16) & 0xF).view(-1, 2)  # fails on a transposed view: its rows are not contiguous
+    return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8).view(*codes.shape[:-1], -1)
+
+
 def test_packing_graders_accept_labkit_and_plain_solutions(capsys):
     checks.pack_int4(Q.pack_int4)
     checks.pack_int4(packed_low_first)
@@ -176,6 +181,7 @@ def test_packing_graders_accept_labkit_and_plain_solutions(capsys):
     (lambda c: packed_low_first((c.to(torch.int16) + 8) if c.dtype == torch.int8 else c), "sign"),  # offset binary
     (lambda c: packed_low_first(c).to(torch.int16), "uint8"),
     (lambda c: packed_low_first(c.flatten()), "shape"),
+    (lambda c: _packed_through_view(c), "non-contiguous"),
 ])
 def test_pack_int4_rejects_typical_mistakes(wrong, words):
     with pytest.raises(CheckFailed, match=words):
@@ -224,3 +230,113 @@ def test_failures_say_what_was_tried_got_expected_and_a_hint():
     message = str(info.value)
     for part in ("tried:", "got:", "expected:", "hint:", "quantize_asymmetric("):
         assert part in message
+
+
+# ----------------------------------------------------------------------------- GPTQ
+def labkit_gptq(weight, X, bits, group_size, damp):
+    q = Q.gptq_quantize(weight, X, bits, group_size, damp=damp)
+    return q.codes, q.scale
+
+
+def gptq(weight, X, bits, group_size=None, damp=0.01, *, factor="cholesky of the inverse", dead_columns=True, damped=True,
+         static_groups=False, next_column_only=False, divide_by_diagonal=True, sign=1.0, copy=True):
+    """A learner's solution (no lazy batches, H unnormalised); the keyword arguments swap in one mistake at a time."""
+    W = weight.float().clone() if copy else weight.float()
+    X = X.float()
+    d_out, d_in = W.shape
+    qmax = 2 ** (bits - 1) - 1
+    H = 2 * X.T @ X
+    if dead_columns:
+        dead = H.diagonal() == 0
+        H[dead, dead] = 1.0
+        W[:, dead] = 0.0
+    if damped:
+        H += damp * H.diagonal().mean() * torch.eye(d_in)
+    U = {"cholesky of the inverse": lambda: torch.linalg.cholesky(torch.linalg.inv(H), upper=True),
+         "H": lambda: H,
+         "inverse": lambda: torch.linalg.inv(H),
+         "lower": lambda: torch.linalg.cholesky(torch.linalg.inv(H)),
+         "transposed": lambda: torch.linalg.inv(torch.linalg.cholesky(H)).T}[factor]()
+    group = group_size or d_in
+    original = W.clone()
+    codes = torch.zeros(d_out, d_in, dtype=torch.int8)
+    scale = torch.zeros(d_out, d_in // group)
+    for j in range(d_in):
+        if j % group == 0:
+            absmax = (original if static_groups else W)[:, j:j + group].abs().amax(dim=1)
+            s = torch.where(absmax > 0, absmax / qmax, torch.ones_like(absmax))
+            scale[:, j // group] = s
+        q = torch.clamp(torch.round(W[:, j] / s), -qmax, qmax)
+        codes[:, j] = q.to(torch.int8)
+        err = W[:, j] - q * s
+        if divide_by_diagonal:
+            err = err / U[j, j]
+        if next_column_only:
+            if j + 1 < d_in:
+                W[:, j + 1] -= sign * err * U[j, j + 1]
+        else:
+            W[:, j + 1:] -= sign * err[:, None] * U[j, j + 1:][None, :]
+    return codes, scale
+
+
+def test_gptq_quantize_accepts_labkit_and_a_plain_solution(capsys):
+    checks.gptq_quantize(labkit_gptq)
+    checks.gptq_quantize(gptq)
+    checks.gptq_quantize(lambda *a: gptq(*a, static_groups=True))  # group scales from the original weights: AutoGPTQ's option
+    assert capsys.readouterr().out.count("✓ gptq_quantize:") == 3
+
+
+def test_gptq_grader_inputs_make_gptq_clearly_better_than_rounding():
+    for tried, weight, X, bits, group, dead in checks._gptq_cases():
+        no_dead = weight.float().clone()
+        no_dead[:, dead] = 0
+        rtn = Q.dequantize(Q.quantize(no_dead, bits, True, "channel" if group is None else "group", group), torch.float32)
+        gptq_error = Q.layer_output_error(X, weight, Q.dequantize(Q.gptq_quantize(weight, X, bits, group), torch.float32))
+        assert gptq_error < 0.7 * Q.layer_output_error(X, weight, rtn), tried
+
+
+def _dequantized_instead(weight, X, bits, group_size, damp):
+    codes, scale = gptq(weight, X, bits, group_size, damp)
+    return codes * scale.repeat_interleave(weight.shape[1] // scale.shape[1], dim=1)
+
+
+@pytest.mark.parametrize("wrong, words", [
+    (lambda *a: gptq(*a, factor="lower"), "round-to-nearest's"),          # no feedback reaches later columns: RTN
+    (lambda *a: gptq(*a, divide_by_diagonal=False), "divide the rounding error by U"),  # feedback far too small
+    (lambda *a: gptq(*a, factor="H"), "worse than plain rounding"),       # H where its inverse's factor belongs
+    (lambda *a: gptq(*a, factor="transposed"), "worse than plain rounding"),  # inv(cholesky(H)).T: the other order's factor
+    (lambda *a: gptq(*a, factor="inverse"), "inverse without the Cholesky"),  # OBS's first step repeated without updating
+    (lambda *a: gptq(*a, next_column_only=True), "not only"),
+    (lambda *a: gptq(*a, sign=-1.0), "worse than plain rounding"),
+    (lambda *a: gptq(*a, damped=False), "damp"),                          # singular H on 24 rows of 40 features
+    (lambda *a: gptq(*a, dead_columns=False), "dead"),
+    (lambda *a: gptq(*a, copy=False), "modified"),                        # updates the caller's fp32 weight in place
+    (lambda weight, X, bits, group_size, damp: Q.dequantize(Q.quantize(weight, bits, True, "channel")), "tuple"),
+    (_dequantized_instead, "tuple"),
+    (lambda *a: (gptq(*a)[0].long(), gptq(*a)[1]), "int8"),
+    (lambda *a: (gptq(*a)[0], gptq(*a)[1].double()), "float32"),
+])
+def test_gptq_quantize_rejects_typical_mistakes(wrong, words):
+    with pytest.raises(CheckFailed, match=words):
+        checks.gptq_quantize(wrong)
+
+
+def test_gptq_grader_is_fast():
+    import time
+
+    start = time.perf_counter()
+    checks.gptq_quantize(gptq)
+    assert time.perf_counter() - start < 3.0
+
+
+@pytest.mark.parametrize("grader, answer", [
+    ("gptq_quantize", labkit_gptq),
+    ("quantize_symmetric", labkit_symmetric),
+    ("quantize_asymmetric", labkit_asymmetric),
+])
+def test_the_packaged_graders_refuse_labkits_own_answer(grader, answer):
+    from labkit import checks as packaged
+    from labkit.checks import DelegationRefused
+
+    with pytest.raises(DelegationRefused, match="write it yourself"):
+        getattr(packaged, grader)(answer)

@@ -335,6 +335,122 @@ def test_int8_mixed_matmul_all_outliers_is_the_float_matmul():
     torch.testing.assert_close(y, x @ weight.T)
 
 
+def test_an_int8_kv_cache_gives_nearly_the_fp32_caches_keys_values_and_logits(adder):
+    from labkit.nn import KVCache
+
+    model, task, _ = adder
+    tokens = Q.calibration_tokens(task, num_sequences=4, context_length=12)
+    cache = Q.QuantizedKVCache.for_model(model, batch_size=4, bits=8, max_seq_len=12)
+    with torch.no_grad():
+        exact, quantized = model(tokens), model(tokens, kv_cache=cache)
+    assert cache.length(0) == 12
+    assert ((quantized - exact).norm() / exact.norm()).item() < 0.02
+    cfg = model.config
+    assert cache.nbytes == 2 * cfg.num_layers * 4 * cfg.kv_heads * 12 * (cfg.dim_per_head + 2)
+    full = KVCache(1, 1, 2, 6, 8)
+    small = Q.QuantizedKVCache(4, 1, 1, 2, 6, 8)
+    k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    for step in (k, v):  # appended in two steps, like prefill then decoding
+        expected, got = full.update(0, step, -step), small.update(0, step, -step)
+        assert got[0].shape == expected[0].shape == (1, 2, small.length(0), 8)
+        assert (got[0] - expected[0]).abs().max() <= expected[0].abs().amax(-1, keepdim=True).max() / 7 / 2 + 1e-3
+
+
+@pytest.mark.parametrize("k_shape, words", [((1, 2, 3, 4), "head_dim"), ((1, 2, 7, 8), "overflow")])
+def test_quantized_kv_cache_rejects_wrong_shapes_and_overflow(k_shape, words):
+    cache = Q.QuantizedKVCache(8, 1, 1, 2, 6, 8)
+    with pytest.raises(ValueError, match=words):
+        cache.update(0, torch.randn(k_shape), torch.randn(k_shape))
+
+
+def test_lloyd_max_levels_lower_the_error_of_their_start_and_fit_uniform_data_evenly():
+    values = torch.rand(40_000, generator=torch.Generator().manual_seed(3)) * 2 - 1
+    start = Q.lloyd_max_levels(values, 8, iterations=0)  # the quantiles it starts from
+    fitted = Q.lloyd_max_levels(values, 8)
+    assert fitted.dtype == torch.float32 and torch.equal(fitted, fitted.sort().values)
+    assert mse_of(values, fitted) <= mse_of(values, start)
+    torch.testing.assert_close(fitted, torch.linspace(-7 / 8, 7 / 8, 8), atol=0.02, rtol=0)  # uniform: bin centres
+    normal = torch.randn(40_000, generator=torch.Generator().manual_seed(4))
+    normal = normal / normal.abs().max()
+    assert mse_of(normal, Q.lloyd_max_levels(normal, 16)) < mse_of(normal, Q.nf4_codebook())
+
+
+def mse_of(values, levels):
+    return (levels[Q.nearest_level(values, levels).long()] - values).pow(2).mean().item()
+
+
+@pytest.mark.parametrize("kwargs, words", [(dict(count=1), "count"), (dict(count=300), "count"),
+                                           (dict(iterations=-1), "iterations")])
+def test_lloyd_max_levels_rejects_bad_arguments(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        Q.lloyd_max_levels(torch.randn(100), **kwargs)
+
+
+def test_awq_is_never_worse_than_rounding_and_helps_with_outlier_features():
+    gen = torch.Generator().manual_seed(11)
+    x, weight = torch.randn(300, 32, generator=gen), torch.randn(16, 32, generator=gen) * 0.1
+    x[:, [3, 17]] *= 15.0
+    for group in (None, 8):
+        q, s, alpha = Q.awq_quantize(weight, x, 4, group)
+        awq_error = Q.layer_output_error(x, weight, Q.dequantize(q, torch.float32) / s)
+        granularity = "group" if group else "channel"
+        rtn_error = Q.layer_output_error(x, weight, Q.dequantize(Q.quantize(weight, 4, True, granularity, group)))
+        assert s.shape == (32,) and 0 < alpha <= 1 and q.group_size == group
+        assert awq_error < 0.8 * rtn_error
+    x_tame = torch.randn(300, 32, generator=gen)
+    q, s, alpha = Q.awq_quantize(weight, x_tame, 4)
+    assert Q.layer_output_error(x_tame, weight, Q.dequantize(q, torch.float32) / s) <= \
+        Q.layer_output_error(x_tame, weight, Q.dequantize(Q.quantize(weight, 4, True, "channel")))
+
+
+@pytest.mark.parametrize("kwargs, words", [(dict(grid=0), "grid"), (dict(calibration_inputs=torch.ones(5, 3)), "calibration"),
+                                           (dict(bits=1), "bits")])
+def test_awq_rejects_bad_arguments(kwargs, words):
+    arguments = dict(weight=torch.randn(4, 8), calibration_inputs=torch.randn(10, 8), bits=4) | kwargs
+    with pytest.raises(ValueError, match=words):
+        Q.awq_quantize(**arguments)
+
+
+def test_gptq_act_order_lowers_the_error_and_returns_codes_in_the_original_order(adder, adder_activations):
+    model, _, _ = adder
+    for name, inputs in adder_activations.items():
+        weight = model.get_submodule(name).weight.detach()
+        plain, ordered = Q.gptq_quantize(weight, inputs, 3), Q.gptq_quantize(weight, inputs, 3, act_order=True)
+        assert torch.equal(plain.scale, ordered.scale)  # one scale per row, from the same weights
+        error = {q: Q.layer_output_error(inputs, weight, Q.dequantize(q, torch.float32)) for q in (plain, ordered)}
+        assert error[ordered] < error[plain], name
+    order = torch.tensor([2, 0, 1])
+    x = torch.randn(50, 3) * torch.tensor([1.0, 0.1, 10.0])  # feature 2 first, then 0, then 1
+    w = torch.randn(4, 3)
+    permuted = Q.gptq_quantize(w[:, order], x[:, order], 4)
+    assert torch.equal(Q.gptq_quantize(w, x, 4, act_order=True).codes[:, order], permuted.codes)
+    with pytest.raises(ValueError, match="act_order"):
+        Q.gptq_quantize(w, x, 4, group_size=3, act_order=True)
+
+
+def test_smoothquant_scales_follow_the_formula_and_leave_the_product_unchanged():
+    gen = torch.Generator().manual_seed(9)
+    x, weight = torch.randn(50, 12, generator=gen), torch.randn(7, 12, generator=gen)
+    x[:, 3] *= 30.0   # an outlier feature
+    x[:, 5] = 0.0     # a dead one
+    for alpha in (0.0, 0.5, 1.0):
+        s = Q.smoothquant_scales(x, weight, alpha)
+        expected = x.abs().amax(0) ** alpha / weight.abs().amax(0) ** (1 - alpha)
+        assert s[5] == 1.0 and s.dtype == torch.float32
+        keep = torch.arange(12) != 5
+        torch.testing.assert_close(s[keep], expected[keep])
+        torch.testing.assert_close((x / s) @ (weight * s).T, x @ weight.T, rtol=1e-5, atol=1e-4)
+    assert torch.allclose((x / Q.smoothquant_scales(x, weight, 1.0)).abs().amax(0)[keep], torch.ones(11))
+
+
+@pytest.mark.parametrize("kwargs, words", [(dict(alpha=1.5), "alpha"), (dict(alpha=True), "alpha"),
+                                           (dict(weight=torch.ones(3, 5)), "weight")])
+def test_smoothquant_scales_rejects_bad_arguments(kwargs, words):
+    arguments = dict(x=torch.ones(4, 6), weight=torch.ones(3, 6), alpha=0.5) | kwargs
+    with pytest.raises(ValueError, match=words):
+        Q.smoothquant_scales(**arguments)
+
+
 # ----------------------------------------------------------------------------- GPTQ
 @pytest.mark.parametrize("bits", [3, 4])
 def test_gptq_beats_round_to_nearest_on_the_adders_activations(adder, adder_activations, bits):

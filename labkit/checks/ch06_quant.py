@@ -6,7 +6,9 @@
   (its ``codes``, ``scale`` and ``zero_point``);
 * ``pack_int4(codes)`` and ``unpack_int4(packed, signed)``: :func:`labkit.quant.pack_int4` /
   :func:`labkit.quant.unpack_int4`;
-* ``nearest_level(normalized, levels)``: :func:`labkit.quant.nearest_level` (NF4's lookup).
+* ``nearest_level(normalized, levels)``: :func:`labkit.quant.nearest_level` (NF4's lookup);
+* ``gptq_quantize(weight, X, bits, group_size, damp) -> (codes, scale)``: GPTQ's column loop, graded on the
+  layer-output error against labkit's :func:`labkit.quant.gptq_quantize` and round-to-nearest.
 
 Each grader passes copies of its inputs (and checks that they come back unchanged), calls the
 learner's function twice, checks types, dtypes and shapes, and compares with labkit's result.
@@ -15,12 +17,14 @@ ulp of a different but correct computation can push either way) either neighbour
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from labkit import quant as Q
-from labkit.checks._core import call_twice, fail, passed
+from labkit.checks._core import call_on_copies, call_twice, fail, passed, results, same_values
 
-__all__ = ["quantize_symmetric", "quantize_asymmetric", "pack_int4", "unpack_int4", "nearest_level"]
+__all__ = ["quantize_symmetric", "quantize_asymmetric", "pack_int4", "unpack_int4", "nearest_level", "gptq_quantize"]
 
 TIE = 1e-3  # |fraction - 0.5| below this counts as a tie, where either neighbour is right
 
@@ -28,6 +32,8 @@ TIE = 1e-3  # |fraction - 0.5| below this counts as a tie, where either neighbou
 # ----------------------------------------------------------------------------- shared helpers
 _MUTATION_HINT = ("work on new tensors: an in-place op (x /= s, x.round_(), ...) on x, or on x.float() of an fp32 x "
                   "(which is x itself), changes the caller's tensor")
+_GPTQ_MUTATION_HINT = ("work on a copy: W = weight.float().clone() (weight.float() of an fp32 weight is the weight itself, so "
+                       "the updates W[:, j+1:] -= ... would change the caller's layer)")
 
 
 def _expect_dtype_shape(value: torch.Tensor, name: str, dtype: torch.dtype, shape, tried: str, hint: str) -> None:
@@ -35,6 +41,17 @@ def _expect_dtype_shape(value: torch.Tensor, name: str, dtype: torch.dtype, shap
         fail(tried, f"{name} of dtype {value.dtype}", f"{name} of dtype {dtype}", hint)
     if tuple(value.shape) != tuple(shape):
         fail(tried, f"{name} of shape {tuple(value.shape)}", f"{name} of shape {tuple(shape)}", hint)
+
+
+def _call_twice(fn, tried: str, args: tuple, names: tuple[str, ...], hint: str, mutation_hint: str) -> tuple:
+    """:func:`call_twice` with a hint for an exception the case provokes (a layout, a singular matrix)."""
+    first = results(call_on_copies(fn, tried, *args, hint=hint, mutation_hint=mutation_hint), names, tried)
+    again = results(call_on_copies(fn, tried + " (called a second time)", *args, hint=hint, mutation_hint=mutation_hint),
+                    names, tried)
+    if not all(same_values(a, b) for a, b in zip(first, again)):
+        fail(tried + " (called twice)", "a different result on the second call", "the same result for the same input",
+             "does your function keep state between calls, or depend on randomness?")
+    return first
 
 
 def _first_difference(got: torch.Tensor, expected: torch.Tensor, bad: torch.Tensor) -> str:
@@ -221,7 +238,8 @@ def _every_pair(dtype: torch.dtype) -> torch.Tensor:
 
 def pack_int4(fn) -> None:
     """Grade ``fn(codes) -> packed``: two 4-bit codes per byte along the last dim, element ``2i`` in
-    the low nibble; int8 codes ``-8..7`` as 4-bit two's complement, uint8 codes ``0..15`` as they are."""
+    the low nibble; int8 codes ``-8..7`` as 4-bit two's complement, uint8 codes ``0..15`` as they are.
+    ``codes`` may be a non-contiguous view (one case is a transpose: ``.view(-1, 2)`` fails on it)."""
     gen = torch.Generator().manual_seed(7)
     cases = [
         ("every pair of signed codes -8..7, int8 of shape (256, 2)", _every_pair(torch.int8)),
@@ -229,10 +247,15 @@ def pack_int4(fn) -> None:
         ("random signed codes, int8 of shape (3, 4, 6)", torch.randint(-8, 8, (3, 4, 6), generator=gen).to(torch.int8)),
         ("random unsigned codes, uint8 of shape (5, 10)", torch.randint(0, 16, (5, 10), generator=gen).to(torch.uint8)),
         ("one row of two codes, int8 [[-1, -8]]", torch.tensor([[-1, -8]], dtype=torch.int8)),
+        ("a non-contiguous view: signed codes int8 of shape (3, 4, 6) transposed from (3, 6, 4) (a weight's codes "
+         "read along another axis)", torch.randint(-8, 8, (3, 6, 4), generator=gen).to(torch.int8).transpose(1, 2)),
     ]
     for tried, codes in cases:
         tried = f"pack_int4({tried})"
-        (packed,) = call_twice(fn, tried, (codes,), ("packed",), _MUTATION_HINT)
+        hint = ("codes may be a view with any strides: .view() cannot merge dimensions that are not contiguous in memory; "
+                "use .reshape(), or take the pairs with codes[..., 0::2] and codes[..., 1::2], which work on any layout"
+                if not codes.is_contiguous() else "run that call yourself and read the traceback")
+        (packed,) = _call_twice(fn, tried, (codes,), ("packed",), hint, _MUTATION_HINT)
         expected = Q.pack_int4(codes)
         _expect_dtype_shape(packed, "packed", torch.uint8, expected.shape, tried,
                             "two codes per byte: uint8 with the last dim halved")
@@ -247,7 +270,7 @@ def pack_int4(fn) -> None:
             else:
                 hint = "packed = codes[..., 0::2] | (codes[..., 1::2] << 4), computed in a wide enough integer type"
             fail(tried, f"byte {got_text}", expected_text, hint)
-    passed("pack_int4", "every pair of signed and unsigned codes packs low nibble first, on any shape")
+    passed("pack_int4", "every pair of signed and unsigned codes packs low nibble first, on any shape and memory layout")
 
 
 def unpack_int4(fn) -> None:
@@ -327,3 +350,133 @@ def nearest_level(fn) -> None:
             fail(tried, f"index {got_index} (level {levels[got_index].item():.4f}) for x = {value:.4f} at {position}",
                  f"index {right} (level {levels[right].item():.4f})", hint)
     passed("nearest_level", "nearest NF4 (and other) levels for fp32/fp16/bf16 values of any shape, ends included")
+
+
+# ----------------------------------------------------------------------------- GPTQ
+GPTQ_TOLERANCE = 1.05   # the learner's layer-output error may exceed labkit's GPTQ by at most 5%
+_GPTQ_FACTOR_HINT = ("the feedback must go through U, the UPPER Cholesky factor of the damped inverse Hessian, "
+                     "Hinv = (H + damp * mean(diag H) * I)^-1 = U^T U (torch.linalg.cholesky(Hinv, upper=True)); for "
+                     "column j: err = (w - q) / U[j, j], then W[:, j+1:] -= err[:, None] * U[j, j+1:]. Neither H itself, "
+                     "nor inv(cholesky(H)).T (a factor of the other column order), nor the inverse without the Cholesky "
+                     "step (right for the first column only)")
+
+
+def _gptq_inputs(seed: int, d_out: int, d_in: int, rows: int, outliers: int, dead: int):
+    """``(weight, X, dead_features)``: calibration inputs ``X [rows, d_in]`` whose features are strongly correlated
+    (a rank-``d_in / 4`` mixture plus a little noise: what GPTQ's feedback exploits), ``outliers`` features 8x
+    larger than the rest, ``dead`` features zero in every row, and a weight whose dead columns are the largest
+    entries of their rows (a solution that keeps them gets a coarser scale for nothing)."""
+    gen = torch.Generator().manual_seed(seed)
+    rank = max(2, d_in // 4)
+    X = torch.randn(rows, rank, generator=gen) @ torch.randn(rank, d_in, generator=gen)
+    X = X + 0.3 * torch.randn(rows, d_in, generator=gen)
+    features = torch.randperm(d_in, generator=gen)
+    X[:, features[:outliers]] *= 8.0
+    dead_features = features[outliers: outliers + dead].sort().values
+    X[:, dead_features] = 0.0
+    weight = torch.randn(d_out, d_in, generator=gen) * 0.1
+    weight[:, dead_features] *= 10.0
+    return weight, X, dead_features
+
+
+def _gptq_cases():
+    """(tried, weight, X, bits, group_size, dead features)."""
+    cases = []
+    for seed, d_out, d_in, rows, outliers, dead, bits, group, dtype, note in [
+        (61, 24, 32, 256, 2, 0, 3, None, torch.float32, ""),
+        (62, 16, 48, 256, 2, 0, 4, 16, torch.float32, ""),
+        (63, 20, 40, 24, 2, 3, 3, None, torch.float32, ", only 24 rows: X^T X is singular"),
+        (64, 12, 64, 200, 3, 0, 2, 32, torch.bfloat16, ""),
+        (65, 9, 36, 100, 2, 2, 4, 12, torch.float32, ""),
+    ]:
+        weight, X, dead_features = _gptq_inputs(seed, d_out, d_in, rows, outliers, dead)
+        scales = "one scale per row" if group is None else f"group_size={group}"
+        tried = (f"gptq_quantize(weight [{d_out}, {d_in}] in {str(dtype).replace('torch.', '')}, X [{rows}, {d_in}] with "
+                 f"correlated features, {outliers} outlier features"
+                 + (f", dead features {dead_features.tolist()} (zero in every row of X)" if dead else "")
+                 + f"{note}, bits={bits}, {scales}, damp=0.01)")
+        cases.append((tried, weight.to(dtype), X, bits, group, dead_features))
+    return cases
+
+
+def _expand(scale: torch.Tensor, d_in: int) -> torch.Tensor:
+    """Per-group scales ``[d_out, groups]`` -> one per weight ``[d_out, d_in]``."""
+    return scale.repeat_interleave(d_in // scale.shape[1], dim=1)
+
+
+def gptq_quantize(fn) -> None:
+    """Grade ``fn(weight, X, bits, group_size, damp) -> (codes, scale)``: GPTQ's column loop, symmetric integer codes.
+
+    ``weight [d_out, d_in]`` (any float dtype, computed in fp32), calibration inputs ``X [rows, d_in]``,
+    ``bits`` 2..8, ``group_size`` (``None``: one scale per output row) and ``damp`` (0.01).
+    Returns ``codes`` (int8 ``[d_out, d_in]`` in ``[-qmax, qmax]``, ``qmax = 2^(bits-1) - 1``) and ``scale``
+    (fp32 ``[d_out, d_in // group_size]``, ``[d_out, 1]`` per row), dequantized as ``codes * scale`` of the
+    codes' group. Graded on the layer-output error ``||X W^T - X W_hat^T|| / ||X W^T||``: at most 5% above
+    labkit's ``gptq_quantize`` on every input (which is far below round-to-nearest's there), on correlated
+    inputs with outlier features, dead features (zero in every row of ``X``: their weights become 0 before
+    any scale is computed, their codes are 0) and fewer rows than features (only the damping makes H
+    invertible). Per-row scales (and the first group's) must be round-to-nearest's of that weight; a later group's
+    scale may come from the weights as updated when the loop reaches the group (labkit, the paper's code) or
+    from the original weights (AutoGPTQ's ``static_groups``): both are graded on the error alone."""
+    cases = _gptq_cases()
+    for tried, weight, X, bits, group, dead in cases:
+        d_out, d_in = weight.shape
+        qmax = 2 ** (bits - 1) - 1
+        hint = ("X has fewer rows than features here, so H = 2 X^T X is singular: add damp * mean(diag H) to H's "
+                "diagonal before inverting, and give dead features (H[j, j] == 0) H[j, j] = 1"
+                if X.shape[0] < d_in else "run that call yourself and read the traceback")
+        codes, scale = _call_twice(fn, tried, (weight, X, bits, group, 0.01), ("codes", "scale"), hint, _GPTQ_MUTATION_HINT)
+        groups = 1 if group is None else d_in // group
+        _expect_dtype_shape(codes, "codes", torch.int8, (d_out, d_in), tried,
+                            f"one signed code per weight, as torch.int8 ({-qmax}..{qmax}), with weight's shape")
+        _expect_dtype_shape(scale, "scale", torch.float32, (d_out, groups), tried,
+                            "fp32 scales [d_out, d_in // group_size], [d_out, 1] with one scale per row, as "
+                            "labkit.quant.gptq_quantize stores them")
+        if not torch.isfinite(scale).all() or not (scale > 0).all():
+            fail(tried, "a scale that is NaN, inf or not positive", "positive, finite scales",
+                 "a NaN or inf comes from inverting an H that is (nearly) singular: damp it, H += damp * mean(diag H) * I, "
+                 "and give an all-zero row of the weight scale 1")
+        low, high = int(codes.min()), int(codes.max())
+        if low < -qmax or high > qmax:
+            fail(tried, f"codes from {low} to {high}", f"codes within [{-qmax}, {qmax}]",
+                 f"clamp(round(w / scale), -{qmax}, {qmax}): the updated weights can leave the range the scale was set for")
+        reference = Q.gptq_quantize(weight, X, bits, group)
+        if len(dead) and (codes[:, dead] != 0).any():
+            fail(tried, f"non-zero codes in the dead columns {dead.tolist()}", "code 0 there",
+                 "a feature that is zero in every row of X never reaches the output: set W[:, dead] = 0 (and H[j, j] = 1) "
+                 "before computing any scale, or its weight sets the row's scale for nothing")
+        first = scale[:, :1].double()
+        first_expected = reference.scale[:, :1].double()
+        if not torch.allclose(first, first_expected, rtol=1e-4, atol=0):
+            row = int((~torch.isclose(first, first_expected, rtol=1e-4, atol=0)).nonzero()[0, 0])
+            fail(tried, f"scale {first[row, 0].item():.6g} of row {row}, first group",
+                 f"{first_expected[row, 0].item():.6g} = max |w| over that group / {qmax}",
+                 "the first group's (or the row's) scale is round-to-nearest's: absmax of the weight, dead columns zeroed, "
+                 f"over the group, divided by {qmax}: nothing has been updated yet when the loop starts")
+        dequantized = codes.double() * _expand(scale.double(), d_in)
+        error = Q.layer_output_error(X, weight, dequantized)
+        expected_error = Q.layer_output_error(X, weight, Q.dequantize(reference, torch.float32))
+        no_dead = weight.float().clone()
+        no_dead[:, dead] = 0.0
+        rtn = Q.quantize(no_dead, bits, True, "channel" if group is None else "group", group)
+        rtn_error = Q.layer_output_error(X, weight, Q.dequantize(rtn, torch.float32))
+        if not math.isfinite(error) or error > GPTQ_TOLERANCE * expected_error:
+            got_text = f"layer-output error {error:.4f} (round-to-nearest: {rtn_error:.4f})"
+            expected_text = f"at most {GPTQ_TOLERANCE:.2f} x {expected_error:.4f}, labkit's GPTQ"
+            if torch.equal(codes, rtn.codes):
+                hint = ("your codes are round-to-nearest's: no rounding error reached the later columns. Each column's "
+                        "err = (w - q) / U[j, j] must update W[:, j+1:] before they are quantized, through row j of the "
+                        "UPPER factor U (a lower factor, or its column below the diagonal, is zero there)")
+            elif error > 1.02 * rtn_error:
+                hint = "the feedback makes the output worse than plain rounding: " + _GPTQ_FACTOR_HINT
+            elif error > 0.98 * rtn_error:
+                hint = ("the feedback barely changes round-to-nearest's result, so it is far too small: it must reach every "
+                        "later column W[:, j+1:] (not only column j + 1), and divide the rounding error by U[j, j] (a small "
+                        "number) before spreading it; " + _GPTQ_FACTOR_HINT)
+            else:
+                hint = ("the feedback helps, but less than GPTQ's: it must reach every later column W[:, j+1:] (not only "
+                        "column j + 1), and " + _GPTQ_FACTOR_HINT)
+            fail(tried, got_text, expected_text, hint)
+    passed("gptq_quantize", f"layer-output error within {GPTQ_TOLERANCE - 1:.0%} of labkit's GPTQ (far below round-to-nearest's) "
+                            f"on {len(cases)} layers: per-row scales and groups, 2-4 bits, correlated and outlier features, "
+                            "dead features, fewer rows than features")

@@ -20,7 +20,8 @@ def plot_quantization(data: dict, title: str | None = None):
     """Two panels for row 0 of the explorer's weight (the row with the outlier, if any):
 
     * left, a histogram of its values with the grid of the scale group that holds column 0 (every
-      value that group's codes can represent) as vertical lines;
+      value that group's codes can represent, red) and, when the row has several groups, the grid of
+      its last group (green): an outlier in column 0 coarsens only its own group's grid;
     * right, each column's value (dots) and what it dequantizes to (crosses), over the grid of the
       scale group covering it (horizontal segments, one set per group).
 
@@ -34,9 +35,15 @@ def plot_quantization(data: dict, title: str | None = None):
     ax_hist.hist(values, bins=32, color="tab:blue", alpha=0.7)
     for level in first:
         ax_hist.axvline(level, color="tab:red", lw=0.8, alpha=0.7)
+    hist_title = f"row 0's values; the {len(first)} levels of column 0's group (red)"
+    if len(groups) > 1:
+        last = groups[-1]
+        for level in last["levels"]:
+            ax_hist.axvline(level, color="tab:green", lw=0.8, ls="--", alpha=0.7)
+        hist_title += f",\nof columns {last['start']}-{min(last['stop'], len(values)) - 1} (green)"
     ax_hist.set_xlabel("value (row 0)")
     ax_hist.set_ylabel("count")
-    ax_hist.set_title(f"values and the {len(first)} levels of column 0's group", fontsize=9)
+    ax_hist.set_title(hist_title, fontsize=9)
     columns = range(len(values))
     for group in groups:
         stop = min(group["stop"], len(values))
