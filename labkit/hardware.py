@@ -79,7 +79,7 @@ class GPUPeaks:
     name: str
     tflops: Mapping[str, float]  # dtype name → TFLOP/s
     bandwidth_tb_s: float
-    memory_gb: float
+    memory_gb: float  # the datasheets' GB are binary (GiB)
     source: str
 
 
@@ -268,25 +268,59 @@ def cpu_report() -> CPUReport:
                      source="unknown")
 
 
-# Datasheet peaks, dense (the "with sparsity" figures are twice these). fp32 is the non-tensor-core rate.
+# Datasheet peaks, dense (the "with sparsity" figures are twice these). fp32 is the non-tensor-core rate. Memory in
+# the datasheets' GB, which are binary: an "80GB" part reports about 79.2 GiB to torch.
+_HOPPER_SXM = {"float32": 67, "tf32": 494.5, "bfloat16": 989.5, "float16": 989.5, "float8": 1979}
+_HOPPER_NVL = {"float32": 60, "tf32": 417.5, "bfloat16": 835.5, "float16": 835.5, "float8": 1670.5}
+_A100 = {"float32": 19.5, "tf32": 156, "bfloat16": 312, "float16": 312}
+_HALVED = "tensor figures halved (the datasheet quotes sparsity)"
+_H200, _H100, _A100_2021, _A100_2020 = (f"NVIDIA {part} Tensor Core GPU datasheet ({year})" for part, year in
+                                        (("H200", 2024), ("H100", 2023), ("A100", 2021), ("A100", 2020)))
 GPU_DATASHEETS: dict[str, GPUPeaks] = {
-    "H200": GPUPeaks("H200 SXM", {"float32": 67, "tf32": 494.5, "bfloat16": 989.5, "float16": 989.5, "float8": 1979},
-                     4.8, 141, "NVIDIA H200 Tensor Core GPU datasheet (2024), SXM column; tensor figures halved (datasheet quotes sparsity)"),
-    "H100 SXM": GPUPeaks("H100 SXM", {"float32": 67, "tf32": 494.5, "bfloat16": 989.5, "float16": 989.5, "float8": 1979},
-                         3.35, 80, "NVIDIA H100 Tensor Core GPU datasheet (2023), SXM5 column; tensor figures halved (datasheet quotes sparsity)"),
-    "A100": GPUPeaks("A100 SXM4 80GB", {"float32": 19.5, "tf32": 156, "bfloat16": 312, "float16": 312},
-                     2.039, 80, "NVIDIA A100 Tensor Core GPU datasheet (2021), 80GB SXM column, dense"),
+    "H200": GPUPeaks("H200 SXM", _HOPPER_SXM, 4.8, 141, f"{_H200}, H200 SXM column; {_HALVED}"),
+    "H200 NVL": GPUPeaks("H200 NVL", _HOPPER_NVL, 4.8, 141, f"{_H200}, H200 NVL column; {_HALVED}"),
+    "H100 SXM": GPUPeaks("H100 SXM", _HOPPER_SXM, 3.35, 80, f"{_H100}, H100 SXM column; {_HALVED}"),
+    "H100 NVL": GPUPeaks("H100 NVL", _HOPPER_NVL, 3.9, 94, f"{_H100}, H100 NVL column; {_HALVED}"),
+    "A100 SXM4 80GB": GPUPeaks("A100 SXM4 80GB", _A100, 2.039, 80, f"{_A100_2021}, A100 80GB SXM column, dense"),
+    "A100 PCIe 80GB": GPUPeaks("A100 PCIe 80GB", _A100, 1.935, 80, f"{_A100_2021}, A100 80GB PCIe column, dense"),
+    "A100 SXM4 40GB": GPUPeaks("A100 SXM4 40GB", _A100, 1.555, 40, f"{_A100_2020}, A100 for NVLink (40GB) column, dense"),
+    "A100 PCIe 40GB": GPUPeaks("A100 PCIe 40GB", _A100, 1.555, 40, f"{_A100_2020}, A100 for PCIe (40GB) column, dense"),
     "RTX 4090": GPUPeaks("RTX 4090", {"float32": 82.6, "tf32": 82.6, "bfloat16": 165.2, "float16": 165.2, "float8": 330.3},
                          1.008, 24, "NVIDIA Ada Lovelace GPU architecture whitepaper (2022), Appendix A: dense, fp32 accumulate"),
 }
-_DATASHEET_NAMES = (("H200", "H200"), ("H100", "H100 SXM"), ("A100", "A100"), ("4090", "RTX 4090"))
+# The names torch.cuda.get_device_name gives each part, without "NVIDIA ", upper-cased, "-" read as a space. A name
+# that matches none (H100 PCIe, GH200, RTX 4090 Laptop GPU, a MIG slice, ...) has no entry here rather than a
+# relative's figures: a laptop 4090 is another chip, GH200's HBM is another size and speed.
+_DATASHEET_NAMES = ((r"H200( SXM)?( 141GB)?( HBM3E)?", "H200"), (r"H200 NVL", "H200 NVL"),
+                    (r"H100( SXM5?)?( 80GB)?( HBM3)?", "H100 SXM"), (r"H100 NVL", "H100 NVL"),
+                    (r"A100 SXM4 80GB", "A100 SXM4 80GB"), (r"A100 80GB PCIE", "A100 PCIe 80GB"),
+                    (r"A100 SXM4 40GB", "A100 SXM4 40GB"), (r"A100 PCIE 40GB", "A100 PCIe 40GB"),
+                    (r"(GEFORCE )?RTX 4090", "RTX 4090"))
 
 
-def datasheet_for(gpu_name: str) -> GPUPeaks | None:
-    """The datasheet entry for a name as ``torch.cuda.get_device_name`` gives it (None when unknown)."""
-    if "H100" in gpu_name and "PCIe" in gpu_name:
-        return None  # slower clocks and HBM2e than the SXM part: no entry rather than a wrong one
-    return next((GPU_DATASHEETS[key] for pattern, key in _DATASHEET_NAMES if pattern in gpu_name), None)
+def datasheet_for(gpu_name: str, memory_bytes: int | None = None) -> GPUPeaks | None:
+    """The datasheet entry of the part called ``gpu_name`` as ``torch.cuda.get_device_name`` gives it, or None when
+    the name is not exactly one of the parts in :data:`GPU_DATASHEETS`.
+
+    ``memory_bytes``: the memory the device itself reports (``total_memory``). The entry then carries that size
+    (in GiB), and a device whose memory is not the datasheet's (more, or under 90% of it: another variant
+    under the same name, or a slice of the GPU) gets None."""
+    if not isinstance(gpu_name, str):
+        raise TypeError(f"gpu_name: expected the device's name as a str, got {type(gpu_name).__name__}")
+    name = re.sub(r"\s+", " ", gpu_name.upper().replace("-", " ")).strip()
+    name = name.removeprefix("NVIDIA ")
+    key = next((key for pattern, key in _DATASHEET_NAMES if re.fullmatch(pattern, name)), None)
+    if key is None:
+        return None
+    peaks = GPU_DATASHEETS[key]
+    if memory_bytes is None:
+        return peaks
+    if not isinstance(memory_bytes, (int, np.integer)) or isinstance(memory_bytes, bool) or memory_bytes < 1:
+        raise ValueError(f"memory_bytes={memory_bytes!r}: expected the device's memory in bytes (a positive int) or None")
+    device_gib = memory_bytes / GiB
+    if not 0.9 * peaks.memory_gb <= device_gib <= peaks.memory_gb:
+        return None
+    return dataclasses.replace(peaks, memory_gb=round(device_gib, 2), source=f"{peaks.source}; memory as the device reports it")
 
 
 def gpu_reports() -> tuple[GPUReport, ...]:
@@ -295,7 +329,8 @@ def gpu_reports() -> tuple[GPUReport, ...]:
     reports = []
     for index in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(index)
-        reports.append(GPUReport(p.name, p.multi_processor_count, p.total_memory, (p.major, p.minor), datasheet_for(p.name)))
+        reports.append(GPUReport(p.name, p.multi_processor_count, p.total_memory, (p.major, p.minor),
+                                  datasheet_for(p.name, p.total_memory)))
     return tuple(reports)
 
 
@@ -547,8 +582,9 @@ class _threads:
 
 
 def bandwidth_sweep(sizes: Iterable[int], mode: str = "read", traffic_bytes: int = 64 * MiB, repeats: int = 5,
-                    threads: int | None = 1) -> list[dict]:
-    """GB/s streaming through a float32 working set of each size in ``sizes`` (bytes, increasing).
+                    threads: int | None = 1, device: str | torch.device = "cpu") -> list[dict]:
+    """GB/s streaming through a float32 working set of each size in ``sizes`` (bytes, increasing), held on
+    ``device`` (a GPU's memory is measured by the GPU's own kernels, synchronized around each sample).
 
     ``mode="read"``: one ``sum`` over the buffer seen ``traffic_bytes / size`` times through a
     stride-0 view (``buf.expand(reps, n)``), so a 32 KiB buffer is read over and over from L1 within
@@ -560,8 +596,9 @@ def bandwidth_sweep(sizes: Iterable[int], mode: str = "read", traffic_bytes: int
     (``ATEN_CPU_CAPABILITY=default``) make ``sum``'s adds the bottleneck; dispatch caps its small sizes.
     The sizes are sampled in rounds (one sample of each per round), so that a burst of load from
     another program hits all of them alike. One thread by default (one core's view of its caches).
-    Rows: ``size_bytes``, ``gb_per_s`` (median), ``iqr_gb_per_s``, ``seconds``."""
+    Rows: ``size_bytes``, ``gb_per_s`` (median), ``iqr_gb_per_s``, ``seconds``, ``device``."""
     sizes = _sizes(sizes)
+    device = torch.device(device)
     if mode not in ("read", "copy", "dot"):
         raise ValueError(f"mode={mode!r}: expected 'read', 'copy' or 'dot'")
     runs = []
@@ -569,11 +606,11 @@ def bandwidth_sweep(sizes: Iterable[int], mode: str = "read", traffic_bytes: int
         for size in sizes:
             reps = max(1, traffic_bytes // size)
             if mode == "read":
-                buf = torch.ones(max(1, size // 4))
+                buf = torch.ones(max(1, size // 4), device=device)
                 fn = buf.expand(reps, buf.numel()).sum
                 moved = reps * buf.numel() * 4
             else:
-                src = torch.ones(max(1, size // 8))
+                src = torch.ones(max(1, size // 8), device=device)
                 dst = torch.ones_like(src)
 
                 def fn(src=src, dst=dst, reps=reps, op=torch.dot if mode == "dot" else torch.Tensor.copy_):
@@ -592,7 +629,7 @@ def bandwidth_sweep(sizes: Iterable[int], mode: str = "read", traffic_bytes: int
     for (size, _, moved), times in zip(runs, samples):
         seconds = statistics.median(times)
         rows.append(dict(size_bytes=size, gb_per_s=moved / seconds / 1e9, iqr_gb_per_s=_iqr([moved / t / 1e9 for t in times]),
-                         seconds=seconds))
+                         seconds=seconds, device=str(device)))
     return rows
 
 
@@ -652,28 +689,31 @@ def latency_sweep(sizes: Iterable[int], steps: int = 100_000, repeats: int = 7, 
     return rows
 
 
-def stride_sweep(strides: Iterable[int], elements: int = 1 << 18, repeats: int = 5, threads: int | None = 1,
+def stride_sweep(strides: Iterable[int], span_bytes: int = 64 * MiB, repeats: int = 5, threads: int | None = 1,
                  line_bytes: int = 64) -> list[dict]:
-    """Sum ``elements`` float32 values read ``stride`` elements apart (``stride`` >= 2), from a buffer
-    of ``elements x max(strides)`` values.
+    """Sum every ``stride``-th float32 value (``stride`` >= 2) of one buffer of ``span_bytes``, for each stride.
 
-    Memory moves whole cache lines: below the line size a stride twice as long touches twice as many
-    lines for the same elements, so the time grows with the stride; from the line size on, every
-    element costs one line and the time levels off. Every stride runs the same strided loop over the
-    same number of elements, so the compute is the same and only the memory traffic changes. Rows:
-    ``stride``, ``stride_bytes``, ``seconds`` (median), ``ns_per_element``, ``bytes_touched`` (the
-    ``line_bytes`` lines under the elements: all of the span below the line size, one line each above)."""
+    Every stride reads across the same span, so the same pages and the same cache levels are under it; what
+    changes is how many of the values in each line are used. Memory moves whole lines: below the line size a
+    stride twice as long uses half as many values of every line, so the lines fetched (the whole span) stay the
+    same and the time per element doubles; from the line size on, every element costs one line and the time per
+    element levels off. Rows: ``stride``, ``stride_bytes``, ``elements``, ``seconds`` (median), ``ns_per_element``,
+    ``bytes_touched`` (the ``line_bytes`` lines under the elements: the whole span below the line size, one line
+    per element above)."""
     strides = _sizes(strides, "strides")
     if strides[0] < 2:
         raise ValueError(f"strides={strides!r}: expected strides >= 2 (stride 1 runs a different, vectorized loop)")
-    _positive_ints(elements=elements, line_bytes=line_bytes)
-    buf = torch.ones(elements * strides[-1])
+    _positive_ints(span_bytes=span_bytes, line_bytes=line_bytes)
+    if span_bytes < 4 * strides[-1]:
+        raise ValueError(f"span_bytes={span_bytes}: expected at least the largest stride, {4 * strides[-1]} bytes")
+    buf = torch.ones(span_bytes // 4)
     rows = []
     with _threads(threads), torch.no_grad():
         for stride in strides:
-            view = buf[: elements * stride : stride]
+            view = buf[::stride]
+            elements = view.numel()
             timing = timeit(view.sum, repeats=repeats, number=1)
-            rows.append(dict(stride=stride, stride_bytes=4 * stride, seconds=timing.median,
+            rows.append(dict(stride=stride, stride_bytes=4 * stride, elements=elements, seconds=timing.median,
                              ns_per_element=timing.median / elements * 1e9,
                              bytes_touched=elements * min(line_bytes, 4 * stride)))
     return rows
@@ -682,8 +722,9 @@ def stride_sweep(strides: Iterable[int], elements: int = 1 << 18, repeats: int =
 def matmul_flops(sizes: Iterable[int], dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  repeats: int = 5, threads: int | None = None) -> list[dict]:
     """GFLOP/s of an ``n x n @ n x n`` matmul for each ``n`` in ``sizes`` (2 n^3 FLOPs per call), at
-    torch's current thread count unless ``threads`` is given. Rows: ``n``, ``seconds`` (median), ``gflop_per_s``."""
+    torch's current thread count unless ``threads`` is given. Rows: ``n``, ``seconds`` (median), ``gflop_per_s``, ``device``."""
     sizes = _sizes(sizes)
+    device = torch.device(device)
     gen = torch.Generator().manual_seed(0)
     rows = []
     with _threads(threads), torch.no_grad():
@@ -691,7 +732,7 @@ def matmul_flops(sizes: Iterable[int], dtype: torch.dtype = torch.float32, devic
             a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
             b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
             timing = timeit(torch.matmul, a, b, repeats=repeats)
-            rows.append(dict(n=n, seconds=timing.median, gflop_per_s=2 * n**3 / timing.median / 1e9))
+            rows.append(dict(n=n, seconds=timing.median, gflop_per_s=2 * n**3 / timing.median / 1e9, device=str(device)))
     return rows
 
 
@@ -845,12 +886,19 @@ class Roofline:
     @classmethod
     def measured(cls, name: str, flop_rows: list[dict], bandwidth_rows: list[dict]) -> "Roofline":
         """From :func:`matmul_flops` and :func:`bandwidth_sweep` rows: the best matmul rate and the
-        bandwidth of the largest working set (memory, not a cache)."""
+        bandwidth of the largest working set (memory, not a cache). Both must come from one device (their
+        ``device`` key): a GPU's compute over its host's memory bandwidth is no machine's roofline."""
         if not flop_rows or not bandwidth_rows:
             raise ValueError("flop_rows, bandwidth_rows: expected the rows of matmul_flops and bandwidth_sweep")
+        devices = {"flop_rows": {r.get("device") for r in flop_rows}, "bandwidth_rows": {r.get("device") for r in bandwidth_rows}}
+        if len(devices["flop_rows"] | devices["bandwidth_rows"]) != 1:
+            raise ValueError(f"flop_rows measured on {sorted(map(str, devices['flop_rows']))}, bandwidth_rows on "
+                             f"{sorted(map(str, devices['bandwidth_rows']))}: expected both ceilings measured on one device "
+                             f"(pass the same device to matmul_flops and bandwidth_sweep)")
         peak = max(r["gflop_per_s"] for r in flop_rows) * 1e9
         bandwidth = bandwidth_rows[-1]["gb_per_s"] * 1e9
-        return cls(name, peak, bandwidth, f"measured: best of matmul_flops, bandwidth_sweep at "
+        where = f" on {flop_rows[0]['device']}" if flop_rows[0].get("device") else ""
+        return cls(name, peak, bandwidth, f"measured{where}: best of matmul_flops, bandwidth_sweep at "
                                           f"{format_bytes(bandwidth_rows[-1]['size_bytes'])}")
 
 

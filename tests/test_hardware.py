@@ -88,11 +88,41 @@ def test_live_report_is_sane():
     assert report.rows()[0]["what"] == "CPU"
 
 
+# each variant's own datasheet: (bandwidth TB/s, memory GB, dense bf16 TFLOP/s); None where labkit has no entry
+VARIANTS = {
+    "NVIDIA A100-SXM4-40GB": (1.555, 40, 312), "NVIDIA A100-PCIE-40GB": (1.555, 40, 312),
+    "NVIDIA A100 80GB PCIe": (1.935, 80, 312), "NVIDIA A100-SXM4-80GB": (2.039, 80, 312),
+    "NVIDIA H100 NVL": (3.9, 94, 835.5), "NVIDIA H100 80GB HBM3": (3.35, 80, 989.5),
+    "NVIDIA H200 NVL": (4.8, 141, 835.5), "NVIDIA H200": (4.8, 141, 989.5),
+    "NVIDIA GeForce RTX 4090": (1.008, 24, 165.2),
+    "NVIDIA GeForce RTX 4090 Laptop GPU": None, "NVIDIA GH200 480GB": None, "NVIDIA H100 PCIe": None,
+    "NVIDIA H100 80GB HBM3 MIG 1g.10gb": None,
+}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_datasheet_gives_each_variant_its_own_figures(name):
+    peaks = H.datasheet_for(name)
+    figures = None if peaks is None else (peaks.bandwidth_tb_s, peaks.memory_gb, peaks.tflops["bfloat16"])
+    assert figures == VARIANTS[name]
+
+
+def test_datasheet_takes_memory_from_the_device():
+    h200 = H.datasheet_for("NVIDIA H200", 150_000_000_000)  # what an H200 reports: ~139.7 GiB of its 141
+    assert h200.name == "H200 SXM" and h200.memory_gb == round(150e9 / 2**30, 2) and "device" in h200.source
+    assert H.datasheet_for("NVIDIA H100 80GB HBM3", 64 * 2**30) is None  # not the 80 GB part the datasheet describes
+    assert H.datasheet_for("NVIDIA A100-SXM4-40GB", 80 * 2**30) is None
+    with pytest.raises(ValueError, match="memory_bytes"):
+        H.datasheet_for("NVIDIA H200", -1)
+    with pytest.raises(TypeError, match="gpu_name"):
+        H.datasheet_for(None)
+
+
 def test_datasheet_lookup_and_sizes():
     assert H.datasheet_for("NVIDIA H200").name == "H200 SXM"
     assert H.datasheet_for("NVIDIA H100 80GB HBM3").name == "H100 SXM"
     assert H.datasheet_for("NVIDIA H100 PCIe") is None
-    assert H.datasheet_for("NVIDIA A100-SXM4-80GB").name.startswith("A100")
+    assert H.datasheet_for("NVIDIA A100-SXM4-80GB").name == "A100 SXM4 80GB"
     assert H.datasheet_for("NVIDIA GeForce RTX 4090").name == "RTX 4090"
     assert H.datasheet_for("Quadro P1000") is None
     for peaks in H.GPU_DATASHEETS.values():
@@ -255,12 +285,15 @@ def test_random_cycle_visits_every_slot_once():
 
 
 def test_stride_sweep_sees_the_cache_line():
-    rows = H.stride_sweep([2, 16], elements=1 << 17, repeats=3)
-    assert [r["stride_bytes"] for r in rows] == [8, 64]
-    assert [r["bytes_touched"] for r in rows] == [8 << 17, 64 << 17]
+    rows = H.stride_sweep([2, 16, 64], span_bytes=16 << 20, repeats=3)
+    assert [r["stride_bytes"] for r in rows] == [8, 64, 256]
+    assert [r["elements"] for r in rows] == [2 << 20, 256 << 10, 64 << 10]  # one span, fewer elements at longer strides
+    assert [r["bytes_touched"] for r in rows] == [16 << 20, 16 << 20, 4 << 20]  # every line of the span, then one per element
     assert rows[1]["ns_per_element"] > 1.5 * rows[0]["ns_per_element"]
     with pytest.raises(ValueError, match="stride"):
         H.stride_sweep([1, 2])
+    with pytest.raises(ValueError, match="span_bytes"):
+        H.stride_sweep([2, 64], span_bytes=128)
 
 
 def test_matmul_flops_grow_with_size():
@@ -337,7 +370,7 @@ def test_datasheet_rooflines():
     assert h200.bandwidth > h100.bandwidth and h200.ridge < h100.ridge
     assert 200 < h100.ridge < 400  # ~295 FLOP/byte: a bf16 op needs ~300 FLOPs per byte to use the tensor cores
     with pytest.raises(ValueError, match="lists"):
-        H.Roofline.datasheet("A100", torch.float8_e4m3fn)
+        H.Roofline.datasheet("A100 SXM4 80GB", torch.float8_e4m3fn)
     with pytest.raises(ValueError):
         H.Roofline.datasheet("TPU")
 
@@ -348,6 +381,24 @@ def test_measured_roofline_takes_best_flops_and_memory_bandwidth():
     assert roof.peak_flops == 30e9 and roof.bandwidth == 8e9 and "1 GiB" in roof.source
     with pytest.raises(ValueError):
         H.Roofline.measured("here", [], [])
+
+
+def test_measured_roofline_needs_both_ceilings_from_one_device():
+    # a GPU's rows as matmul_flops and bandwidth_sweep describe them, without a GPU: the device is in every row
+    gpu_flops = [dict(n=8192, gflop_per_s=50_000.0, device="cuda:0")]
+    gpu_memory = [dict(size_bytes=1 << 30, gb_per_s=4_000.0, device="cuda:0")]
+    cpu_memory = [dict(size_bytes=64 << 20, gb_per_s=20.0, device="cpu")]
+    with pytest.raises(ValueError, match="one device"):
+        H.Roofline.measured("gpu", gpu_flops, cpu_memory)
+    roof = H.Roofline.measured("gpu", gpu_flops, gpu_memory)
+    assert roof.bandwidth == 4e12 and "cuda:0" in roof.source and roof.ridge == 12.5
+
+
+def test_sweeps_measure_the_device_they_are_given():
+    # "meta" tensors run no kernels: enough to see that the buffers live on the device asked for
+    assert {r["device"] for r in H.bandwidth_sweep([4096, 8192], repeats=1, device="meta")} == {"meta"}
+    assert {r["device"] for r in H.bandwidth_sweep([8192], mode="copy", repeats=1, device="meta")} == {"meta"}
+    assert {r["device"] for r in H.matmul_flops([8], repeats=1)} == {"cpu"}
 
 
 # ----------------------------------------------------------------------------- profiling

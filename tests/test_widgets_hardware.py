@@ -60,6 +60,9 @@ def test_plot_draws_the_ceilings_ridge_and_points():
     roof = H.Roofline.datasheet("H200")
     ax = W.plot_roofline(roof, [dict(label="a", intensity=1.0, flop_per_s=1e12), dict(label="b", intensity=500, flop_per_s=5e14)])
     assert len(ax.lines) == 4  # roofline, ridge, two points
+    labels = [t.get_text() for t in ax.texts]  # the points and the ridge labelled where they are drawn
+    assert labels == [f"ridge {roof.ridge:.3g} FLOP/B", "a", "b"]
+    assert [t.xy for t in ax.texts] == [(roof.ridge, roof.peak_flops), (1.0, 1e12), (500, 5e14)]
     assert ax.get_xscale() == "log" and "FLOP per byte" in ax.get_xlabel()
     ceiling = ax.lines[0].get_ydata()
     assert max(ceiling) == roof.peak_flops

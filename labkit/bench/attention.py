@@ -12,8 +12,6 @@ import torch.nn.functional as F
 
 from labkit.bench import gpu_available, print_table, time_ms
 
-# Dense (no sparsity) bf16 tensor-core peaks from the datasheets, TFLOP/s.
-DATASHEET_BF16_TFLOPS = {"H200": 989.0, "H100 80GB HBM3": 989.0, "H100 PCIe": 756.0, "A100": 312.0, "L40S": 362.0}
 SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
 TOKENS_PER_BATCH = 16384  # batch * seq_len kept constant so every size does similar work
 NUM_HEADS = 16
@@ -25,10 +23,11 @@ def attention_flops(batch: int, heads: int, num_q: int, num_k: int, head_dim: in
     return forward * (3.5 if backward else 1.0)
 
 def datasheet_peak(name: str) -> float | None:
-    for key, tflops in DATASHEET_BF16_TFLOPS.items():
-        if key in name:
-            return tflops
-    return None
+    """The dense bf16 tensor-core TFLOP/s of the datasheet for ``name`` (``labkit.hardware.datasheet_for``), or None."""
+    from labkit.hardware import datasheet_for
+
+    peaks = datasheet_for(name)
+    return peaks.tflops.get("bfloat16") if peaks is not None else None
 
 def matmul_ceiling_tflops(size: int = 8192) -> float:
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)

@@ -68,8 +68,9 @@ def roofline_point(op: str, n: int, dtype: str, machine: str, machines: Mapping)
 
 
 def plot_roofline(roof: H.Roofline, points: list[dict], ax=None, title: str | None = None):
-    """``roof``'s two ceilings on log-log axes (FLOP/s against FLOP/byte), its ridge, and ``points``
-    (dicts with ``label``, ``intensity`` and ``flop_per_s``: a measured or predicted rate). Returns the axes."""
+    """``roof``'s two ceilings on log-log axes (FLOP/s against FLOP/byte), its ridge marked and labelled with its
+    intensity, and ``points`` (dicts with ``label``, ``intensity`` and ``flop_per_s``: a measured or predicted
+    rate), each labelled beside its dot. Returns the axes."""
     if ax is None:
         _, ax = plt.subplots(figsize=(6.5, 4))
     intensities = [p["intensity"] for p in points] + [roof.ridge]
@@ -78,11 +79,15 @@ def plot_roofline(roof: H.Roofline, points: list[dict], ax=None, title: str | No
     ax.loglog(x, np.minimum(roof.peak_flops, x * roof.bandwidth), color="black", lw=1.5,
               label=f"{roof.name}: {roof.peak_flops / 1e12:.3g} TFLOP/s, {roof.bandwidth / 1e9:.3g} GB/s")
     ax.axvline(roof.ridge, color="grey", ls=":", lw=1)
+    ax.annotate(f"ridge {roof.ridge:.3g} FLOP/B", (roof.ridge, roof.peak_flops), xytext=(4, -12),
+                textcoords="offset points", fontsize=7, color="grey")
     for point in points:
-        ax.loglog(point["intensity"], point["flop_per_s"], "o", ms=6, label=point["label"])
+        (dot,) = ax.loglog(point["intensity"], point["flop_per_s"], "o", ms=6)
+        ax.annotate(point["label"], (point["intensity"], point["flop_per_s"]), xytext=(5, 3), textcoords="offset points",
+                    fontsize=7, color=dot.get_color())
     ax.set_xlabel("arithmetic intensity (FLOP per byte moved)")
     ax.set_ylabel("FLOP/s")
-    ax.set_title(title or f"roofline of {roof.name} (ridge at {roof.ridge:.3g} FLOP/byte)", fontsize=10)
+    ax.set_title(title or f"roofline of {roof.name}", fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="lower right")
     return ax
