@@ -430,12 +430,18 @@ def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
 def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
     """Per-sequence estimate of ``KL(pi || pi_ref)`` from tokens sampled from ``pi`` (``[n, T]`` log-probs,
     ``mask`` the real tokens), summed over each sequence's tokens. ``"k1"``: ``log pi - log pi_ref``
-    (unbiased, can be negative); ``"k3"``: ``exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1`` (Schulman's
-    estimator DeepSeekMath's GRPO uses: unbiased too, and never negative)."""
-    if estimator not in ("k1", "k3"):
-        raise ValueError(f"estimator={estimator!r}: expected 'k1' or 'k3'")
+    (unbiased, can be negative); ``"k2"``: ``(log pi - log pi_ref)^2 / 2`` (never negative, biased);
+    ``"k3"``: ``exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1`` (Schulman's estimator DeepSeekMath's
+    GRPO uses: unbiased, and never negative)."""
+    if estimator not in ("k1", "k2", "k3"):
+        raise ValueError(f"estimator={estimator!r}: expected 'k1', 'k2' or 'k3'")
     log_ratio = ref_logps - logps
-    per_token = -log_ratio if estimator == "k1" else torch.exp(log_ratio) - log_ratio - 1
+    if estimator == "k1":
+        per_token = -log_ratio
+    elif estimator == "k2":
+        per_token = log_ratio ** 2 / 2
+    else:
+        per_token = torch.exp(log_ratio) - log_ratio - 1
     return (per_token * mask).sum(dim=1)
 
 
@@ -620,7 +626,10 @@ def train_dpo(policy: nn.Module, ref: nn.Module, pairs: PreferencePairs, steps: 
     per-token negative log-likelihood (RPO, Pang et al. 2024; TRL's ``rpo_alpha``), which keeps DPO from
     lowering the chosen responses along with the rejected ones. Logs per step the loss and TRL's quantities
     (mean chosen and rejected implicit rewards, margin, accuracy) and the policy's mean log-probabilities of
-    the chosen and rejected responses."""
+    the chosen and rejected responses. The quantities are those of the batch before the step's update, so
+    while the policy still equals the reference (the first step, and the second: the warm-up's first
+    learning rate is 0) every margin is 0; the logged accuracy counts such a tie as half a win (a coin
+    flip), not as a loss as :func:`dpo_loss`'s strict accuracy does."""
     with torch.no_grad():
         ref_chosen, ref_rejected = pair_logprobs(ref, pairs)
     draw = _batches(len(pairs), batch_size, seed)
@@ -634,13 +643,18 @@ def train_dpo(policy: nn.Module, ref: nn.Module, pairs: PreferencePairs, steps: 
         if nll_weight:
             loss = loss - nll_weight * (chosen / pairs.chosen_mask[index].sum(dim=1)).mean()
         return loss, {"chosen_reward": out.chosen_rewards.mean(), "rejected_reward": out.rejected_rewards.mean(),
-                          "margin": out.margins.mean(), "accuracy": out.accuracy,
+                          "margin": out.margins.mean(), "accuracy": _wins_ties_half(out.margins),
                           "chosen_logp": chosen.detach().mean(), "rejected_logp": rejected.detach().mean()}
 
     log = _fit(_trainable(policy), steps, lr, step_loss, desc=f"DPO beta={beta:g}", evaluate=evaluate,
                eval_every=eval_every, progress=progress)
     policy.eval()
     return log
+
+
+def _wins_ties_half(margins: torch.Tensor) -> torch.Tensor:
+    """The fraction of pairs the chosen response wins, a tie (margin exactly 0) counted as half a win."""
+    return ((margins > 0).float() + 0.5 * (margins == 0).float()).mean()
 
 
 def train_grpo(policy: nn.Module, ref: nn.Module, task: ArithmeticTask, reward_fn: Callable, steps: int = 50,

@@ -214,6 +214,8 @@ def test_dpo_at_the_start_is_log_2_and_moves_chosen_above_rejected(task):
     assert start.loss.item() == pytest.approx(math.log(2)) and start.margins.abs().max() == 0
     model.requires_grad_(True)
     log = P.train_dpo(model, ref, pairs, steps=30, lr=3e-3, beta=0.5, batch_size=64, progress=False)
+    # steps 1 and 2 log the policy before any update (the warm-up's first learning rate is 0): all ties, half a win
+    assert log["margin"][:2] == [0.0, 0.0] and log["accuracy"][:2] == [0.5, 0.5] and log["accuracy"][-1] > 0.9
     with torch.no_grad():
         c1, r1 = P.pair_logprobs(model, pairs)
         rc, rr = P.pair_logprobs(ref, pairs)
@@ -301,8 +303,9 @@ def test_kl_estimators():
     draws = torch.multinomial(p, 200_000, replacement=True, generator=torch.Generator().manual_seed(0))
     est = P.kl_estimate(p.log()[draws][:, None], q.log()[draws][:, None], torch.ones(len(draws), 1), "k3").mean()
     assert est.item() == pytest.approx((p * (p / q).log()).sum().item(), rel=0.02)
+    assert P.kl_estimate(logp, ref, mask, "k2").item() == pytest.approx(math.log(2) ** 2 / 2)
     with pytest.raises(ValueError, match="estimator"):
-        P.kl_estimate(logp, ref, mask, "k2")
+        P.kl_estimate(logp, ref, mask, "k4")
 
 
 def test_grpo_step_improves_the_verifiable_reward(task):

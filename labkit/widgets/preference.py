@@ -52,7 +52,7 @@ def plot_dpo_run(data: dict, title: str | None = None):
     ax_m.set_xlabel("DPO step")
     ax_m.set_ylabel("implicit reward margin (nats x beta)")
     ax_acc = ax_m.twinx()
-    ax_acc.plot(log["step"], log["accuracy"], color="tab:green", ls="--", label="pair accuracy")
+    ax_acc.plot(log["step"], log["accuracy"], color="tab:green", ls="--", label="pair accuracy (a tie counts 1/2)")
     ax_acc.set_ylim(0, 1.05)
     ax_acc.set_ylabel("pair accuracy")
     ax_m.legend(loc="upper left", fontsize=8)
