@@ -54,10 +54,16 @@ step env 60 "$PY" -c "import labkit, torch; print(labkit.runtime.environment_lin
 
 if [[ "$HAS_CUDA" == 1 && "$DRY_RUN" != "--dry-run" ]]; then
     step kernels 150 env LABKIT_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider -o addopts=-ra tests/test_kernels_*.py tests/gpu
+    if ! "$PY" -c "import nbval" 2>/dev/null && compgen -G "$ROOT/.whl/*.whl" > /dev/null; then
+        # a GPU image without Jupyter: wheels carried in .whl/ (nbval, nbformat, nbclient, ipykernel and their needs),
+        # installed from disk only, into a folder of their own
+        step wheels 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$OUT/site" "$ROOT"/.whl/*.whl
+        export PYTHONPATH="$PYTHONPATH:$OUT/site"
+    fi
     if "$PY" -c "import nbval" 2>/dev/null; then
         step chapters 240 env LABKIT_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider -o addopts=-ra --nbval-lax notebooks
     else
-        note "chapters: skipped: nbval is not installed in this Python (carry its wheels and their needs to run them)"
+        note "chapters: skipped: nbval is not installed in this Python (carry its wheels and their needs in .whl/ to run them)"
     fi
     step bench 150 "$PY" -m labkit.bench all --json "$OUT/bench.json" --markdown "$OUT/benchmarks.md"
 else
