@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from labkit.bench import attention as attention_suite
 from labkit.bench import moe as moe_suite
+from labkit.bench import norms as norms_suite
 from labkit.bench import quant as quant_suite
 
 
@@ -125,14 +126,14 @@ def bench_norms(bench: Bench) -> None:
     weight = torch.rand(s.norm_cols, device=dev, dtype=s.dtype) + 0.5
     gate = torch.randn_like(x)
     tensor = x.numel() * x.element_size()
-    eager_swiglu = lambda a, b: F.silu(a) * b  # noqa: E731
     eager_softmax = lambda t: torch.softmax(t, -1)  # noqa: E731
-    cases = {"rmsnorm": ((x, weight), rmsnorm, rmsnorm_reference, 2 * tensor + weight.numel() * weight.element_size()),
-             "softmax": ((x,), softmax, eager_softmax, 2 * tensor),
-             "swiglu": ((x, gate), swiglu, eager_swiglu if dev == "cuda" else swiglu_reference, 3 * tensor)}
+    # name: (inputs, kernel, PyTorch eager (timed), fp32 reference (for the error), bytes that must move)
+    cases = {"rmsnorm": ((x, weight), rmsnorm, rmsnorm_reference, rmsnorm_reference, 2 * tensor + weight.numel() * weight.element_size()),
+             "softmax": ((x,), softmax, eager_softmax, eager_softmax, 2 * tensor),
+             "swiglu": ((x, gate), swiglu, norms_suite._eager_swiglu, swiglu_reference, 3 * tensor)}
     shape = f"[{s.norm_rows}, {s.norm_cols}] {str(s.dtype).removeprefix('torch.')}"
-    for op, (inputs, kernel, eager, nbytes) in cases.items():
-        error = _max_error(kernel(*inputs), eager(*inputs))
+    for op, (inputs, kernel, eager, reference, nbytes) in cases.items():
+        error = _max_error(kernel(*inputs), reference(*inputs))
         impls = {"triton": kernel, "eager": eager}
         if dev == "cuda":
             impls["torch.compile"] = torch.compile(eager)
