@@ -188,6 +188,44 @@ def noisy_top_k_gating(x: torch.Tensor, w_gate: torch.Tensor, w_noise: torch.Ten
     return top_k_gating(logits, top_k, normalize=True)
 
 
+@dataclass
+class ExpertChoice:
+    """Expert-choice routing: ``token_index`` ``[E, C]`` int64, the ``C`` tokens each expert chose
+    (best first); ``gates`` ``[E, C]`` fp32, their softmax scores; ``num_tokens``."""
+
+    token_index: torch.Tensor
+    gates: torch.Tensor
+    num_tokens: int
+
+    def experts_per_token(self) -> torch.Tensor:
+        """``[T]`` int64: how many experts chose each token (0 = the token skips the layer)."""
+        return torch.bincount(self.token_index.reshape(-1), minlength=self.num_tokens)
+
+    def expert_sets(self) -> torch.Tensor:
+        """``[T, E]`` bool: True where expert ``e`` chose token ``t``."""
+        chosen = torch.zeros(self.num_tokens, self.token_index.shape[0], dtype=torch.bool, device=self.token_index.device)
+        experts = torch.arange(self.token_index.shape[0], device=self.token_index.device)[:, None].expand_as(self.token_index)
+        chosen[self.token_index.reshape(-1), experts.reshape(-1)] = True
+        return chosen
+
+
+def expert_choice_gating(logits: torch.Tensor, capacity: int) -> ExpertChoice:
+    """Expert-choice routing (Zhou et al. 2022): the *experts* pick tokens. ``scores =
+    softmax(logits)`` over the experts, as in token choice; then each expert takes the ``capacity``
+    tokens of the batch with the highest score for it (``TopK(S^T, C)``), so every expert computes
+    exactly ``capacity`` rows (balanced by construction, nothing to drop) while a token may be
+    taken by several experts or by none. A token's experts depend on the other tokens of the batch,
+    the later ones included, which is why it does not fit autoregressive decoding as it is.
+    The paper's ``capacity = T * c / E`` with ``c = 2``: on average two experts per token."""
+    _check_logits(logits)
+    num_tokens = logits.shape[0]
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= num_tokens:
+        raise ValueError(f"capacity={capacity!r}: expected an integer from 1 to the number of tokens ({num_tokens})")
+    scores = torch.softmax(logits.float(), dim=-1)
+    gates, token_index = torch.topk(scores.T, capacity, dim=-1)
+    return ExpertChoice(token_index, gates, num_tokens)
+
+
 # ----------------------------------------------------------------------------- balancing
 def load_balancing_loss(probs: torch.Tensor, expert_index: torch.Tensor, alpha: float = 0.01) -> torch.Tensor:
     """Switch Transformer auxiliary loss ``alpha * E * sum_i f_i * P_i``.

@@ -33,6 +33,7 @@ from labkit.experts import (  # noqa: F401  (re-exported for the chapter)
     PRIORITIES,
     SCORE_FUNCTIONS,
     Dispatch,
+    ExpertChoice,
     MoEConfig,
     MoELayer,
     MoEStats,
@@ -43,6 +44,7 @@ from labkit.experts import (  # noqa: F401  (re-exported for the chapter)
     combine,
     dispatch,
     expert_capacity,
+    expert_choice_gating,
     load_balancing_loss,
     moe_aux_loss,
     moe_layers,
@@ -56,7 +58,7 @@ from labkit.experts import (  # noqa: F401  (re-exported for the chapter)
     top_k_gating,
     update_expert_bias,
 )
-from labkit.hardware import timeit
+from labkit.hardware import GPU_DATASHEETS, timeit
 from labkit.model import MOE_PRESETS, ModelConfig, TransformerLM, count_active_parameters, count_parameters
 from labkit.quant import DEEPSEEK_V3, deepseek_v3_parameters
 from labkit.runtime import run_seed
@@ -370,18 +372,21 @@ def _train_model(config: ModelConfig, data: np.ndarray, steps: int | None, seed:
     return model, history
 
 
+def fixed_batches(data: np.ndarray, batches: int = 4, batch_size: int = 32, context_length: int = 32,
+                  seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``batches`` ``(x, y)`` batches drawn from a private ``seed``: the same every call, the global RNG untouched."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return [get_batch(data, batch_size, context_length, "cpu") for _ in range(batches)]
+
+
 @torch.no_grad()
 def fixed_batch_loss(model: nn.Module, data: np.ndarray, batches: int = 4, batch_size: int = 32, context_length: int = 32,
                      seed: int = 1234) -> float:
-    """Mean cross-entropy over ``batches`` batches drawn from a private seed (the same batches every call)."""
+    """Mean cross-entropy over the :func:`fixed_batches` (the same batches every call)."""
     was_training = model.training
     model.eval()
-    losses = []
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for _ in range(batches):
-            x, y = get_batch(data, batch_size, context_length, "cpu")
-            losses.append(cross_entropy(model(x), y).item())
+    losses = [cross_entropy(model(x), y).item() for x, y in fixed_batches(data, batches, batch_size, context_length, seed)]
     model.train(was_training)
     return float(np.mean(losses))
 
@@ -555,12 +560,19 @@ def mutual_information_bits(routing: torch.Tensor, op_weights: torch.Tensor | No
 
 
 def capacity_experiment(capacity_factors=(0.25, 0.5, 0.75, 1.0, 1.25, 2.0, None), model: TransformerLM | None = None,
-                        num_experts: int = 8, top_k: int = 2, steps: int | None = None, seed: int = 0) -> list[dict]:
+                        num_experts: int = 8, top_k: int = 2, steps: int | None = None, seed: int = 0,
+                        priority: str | None = None) -> list[dict]:
     """Capacity factor vs dropped tokens vs loss: one MoE LM (trained dropless with the aux loss,
     unless ``model`` is given, e.g. one from :func:`balancing_experiment`) evaluated on the same
-    fixed batches with each capacity factor (``None`` = dropless). Returns one row per factor:
+    fixed batches with each capacity factor (``None`` = dropless) and ``priority`` (``"gate"`` or
+    ``"order"``, see :func:`dispatch`; ``None``: the layers' own). Returns one row per factor:
     ``capacity_factor``, ``capacity`` (slots per expert for a batch of 32x32 tokens),
-    ``dropped_fraction`` (mean over the MoE layers) and ``loss``."""
+    ``dropped_fraction`` (mean over the MoE layers and batches), ``dropped_by_choice`` (per choice
+    ``j`` of a token's ``k``: the share of the ``j``-th choices dropped), ``dropped_by_quarter``
+    (the share dropped of the assignments of each quarter of the batch's tokens, in batch order)
+    and ``loss``."""
+    if priority is not None and priority not in PRIORITIES:
+        raise ValueError(f"priority={priority!r}: expected one of {PRIORITIES} or None")
     task = experiment_task()
     data = task.tokens("train")
     if model is None:
@@ -569,16 +581,21 @@ def capacity_experiment(capacity_factors=(0.25, 0.5, 0.75, 1.0, 1.25, 2.0, None)
     layers = moe_layers(model)
     if not layers:
         raise ValueError("model: has no MoE layers")
-    saved = [m.capacity_factor for m in layers]
+    saved = [(m.capacity_factor, m.priority) for m in layers]
     rows = []
     try:
         for cf in capacity_factors:
             for m in layers:
                 m.capacity_factor = cf
+                m.priority = priority or m.priority
             dropped = []
 
             def hook(module, args, output, dropped=dropped):
-                dropped.append(module.stats.dropped_fraction)
+                plan = module.last_dispatch
+                lost = torch.ones(plan.num_tokens * plan.top_k, dtype=torch.bool)
+                lost[plan.slot] = False
+                lost = lost.view(4, plan.num_tokens // 4, plan.top_k).float()  # quarters of the batch, in token order
+                dropped.append((module.stats.dropped_fraction, lost.mean((0, 1)).numpy(), lost.mean((1, 2)).numpy()))
 
             handles = [m.register_forward_hook(hook) for m in layers]
             try:
@@ -588,11 +605,156 @@ def capacity_experiment(capacity_factors=(0.25, 0.5, 0.75, 1.0, 1.25, 2.0, None)
                     h.remove()
             tokens = EXPERIMENT_TRAIN.batch_size * EXPERIMENT_TRAIN.context_length
             rows.append(dict(capacity_factor=cf, capacity=expert_capacity(tokens, layers[0].num_experts, layers[0].top_k, cf),
-                             dropped_fraction=float(np.mean(dropped)), loss=loss))
+                             dropped_fraction=float(np.mean([d for d, _, _ in dropped])), loss=loss,
+                             dropped_by_choice=np.mean([c for _, c, _ in dropped], axis=0).tolist(),
+                             dropped_by_quarter=np.mean([q for _, _, q in dropped], axis=0).tolist()))
     finally:
-        for m, cf in zip(layers, saved):
-            m.capacity_factor = cf
+        for m, (cf, kept_priority) in zip(layers, saved):
+            m.capacity_factor, m.priority = cf, kept_priority
     return rows
+
+
+def seed_band(curves, window: int = 10) -> dict:
+    """Per-step ``mean``, ``low`` and ``high`` over seeds of loss ``curves`` (one equal-length
+    sequence per seed), each curve first smoothed by a trailing mean over ``window`` steps (fewer
+    at the start), so the band shows the spread between runs rather than one batch's noise;
+    ``step`` counts from 1. numpy arrays."""
+    runs = np.asarray(curves, dtype=np.float64)
+    if runs.ndim != 2 or runs.shape[0] < 1 or runs.shape[1] < 1:
+        raise ValueError(f"curves: expected one non-empty loss curve per seed, all the same length, got shape {runs.shape}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window={window!r}: expected a positive integer")
+    sums = np.cumsum(runs, axis=1)
+    ahead = np.concatenate([np.zeros((runs.shape[0], window)), sums[:, :-window]], axis=1)[:, : runs.shape[1]]
+    counts = np.minimum(np.arange(1, runs.shape[1] + 1), window)
+    smooth = (sums - ahead) / counts
+    return dict(step=np.arange(1, runs.shape[1] + 1), mean=smooth.mean(0), low=smooth.min(0), high=smooth.max(0))
+
+
+@torch.no_grad()
+def router_roundoff(logits: torch.Tensor, scales=(1, 4, 16, 64), top_k: int = 1, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    """What rounding the router logits to ``dtype`` does as they grow (ST-MoE's router instability):
+    for each ``scale``, the logits ``scale * logits`` once in fp32 and once rounded to ``dtype``
+    before the softmax (a router computed in bf16). Per scale: ``logsumexp`` (its mean over the
+    tokens) and ``z_loss`` (:func:`router_z_loss` with weight 1, the mean squared logsumexp);
+    ``logit_spacing``, the ``dtype`` spacing at the largest logit; ``gate_relative_error``, the
+    largest relative error of the softmax probability of a token's fp32-chosen experts (Switch's
+    top-1 gate is that probability), and ``changed_fraction``, the share of tokens whose top-``k``
+    experts differ. An error ``delta`` in a logit is a relative error ``exp(delta) - 1`` in its
+    probability, and bf16's spacing grows with the logits: so does the gates' error."""
+    if not scales or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf for v in scales):
+        raise ValueError(f"scales={scales!r}: expected positive finite numbers")
+    logits = logits.float()
+    rows = []
+    for scale in scales:
+        exact = logits * scale
+        rounded = exact.to(dtype).float()
+        ref, low = top_k_gating(exact, top_k), top_k_gating(rounded, top_k)
+        same = (ref.expert_index.sort(-1).values == low.expert_index.sort(-1).values).all(-1)
+        chosen_ref, chosen_low = ref.probs.gather(-1, ref.expert_index), low.probs.gather(-1, ref.expert_index)
+        largest = exact.abs().max().to(dtype)
+        spacing = torch.nextafter(largest, torch.tensor(math.inf, dtype=dtype)).float() - largest.float()
+        rows.append(dict(scale=scale, logsumexp=float(torch.logsumexp(exact, -1).mean()),
+                         z_loss=float(router_z_loss(exact, weight=1.0)), logit_spacing=float(spacing),
+                         gate_relative_error=float(((chosen_low - chosen_ref).abs() / chosen_ref).max()),
+                         changed_fraction=float((~same).float().mean())))
+    return rows
+
+
+@torch.no_grad()
+def fixed_batch_routing(model: TransformerLM, seed: int = 1234) -> list[Routing]:
+    """Each MoE layer's :class:`Routing` of one fixed batch (32 sequences of 32 tokens of the
+    chapter's task, drawn from a private ``seed``), the model in eval mode; token ``t`` of a
+    routing is sequence ``t // 32``, position ``t % 32`` (the first of :func:`fixed_batch_loss`'s batches)."""
+    layers = moe_layers(model)
+    if not layers:
+        raise ValueError("model: has no MoE layers")
+    (x, _), = fixed_batches(experiment_task().tokens("train"), 1, EXPERIMENT_TRAIN.batch_size, EXPERIMENT_TRAIN.context_length, seed)
+    was_training = model.training
+    model.eval()
+    model(x)
+    model.train(was_training)
+    return [layer.last_routing for layer in layers]
+
+
+# ============================================================================ inference: decoding reads the experts
+def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Expected number of different experts ``tokens`` tokens use when each picks ``top_k`` of
+    ``num_experts`` uniformly and independently: ``E * (1 - (1 - k/E)^tokens)`` (an expert is
+    missed by one token with probability ``1 - k/E``)."""
+    _check_counts(num_experts=num_experts, top_k=top_k, tokens=tokens)
+    if top_k > num_experts:
+        raise ValueError(f"top_k={top_k}: at most num_experts={num_experts}")
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
+def decode_weight_reads(table: list[dict] | None = None, batch_sizes=(1, 2, 4, 8, 16, 32, 64, 256), bytes_per_param: int = 2,
+                        gpu: str = "H100 SXM") -> list[dict]:
+    """Weights one decoding step reads, per model of ``table`` (rows of :func:`moe_parameter_table`,
+    computed if ``None``) and batch size ``B`` (``B`` sequences, one new token each), with uniform routing. Decoding is memory-bound:
+    the step's time is about its bytes over the bandwidth.
+
+    A routed expert's parameters over all MoE layers are ``(total - active) / (E - k)``; every
+    other weight (attention, norms, router, shared experts, the embedding and the output layer,
+    counted whole: an upper bound for the embedding, of which a step reads ``B`` rows) is read at
+    every step. Each MoE layer reads :func:`expected_distinct_experts` of its experts once
+    (the KV cache's reads, chapter 03, come on top). Per row: ``experts_read`` (per layer),
+    ``bytes`` per step, ``bytes_per_token``, ``tokens_per_expert`` (rows each read expert
+    multiplies: ``B k / experts_read``) and ``flop_per_byte`` of the expert matmuls
+    (``2 * tokens_per_expert / bytes_per_param``), against ``ridge``, the ``gpu``'s bf16 FLOP/s
+    over its bandwidth from :data:`labkit.hardware.GPU_DATASHEETS`, and ``compute_bound_batch``,
+    the smallest ``B`` whose expert matmuls reach the ridge (``ridge * bytes / 2 * E / k``)."""
+    _check_counts(bytes_per_param=bytes_per_param, **{f"batch_sizes[{i}]": b for i, b in enumerate(batch_sizes)})
+    if gpu not in GPU_DATASHEETS:
+        raise ValueError(f"gpu={gpu!r}: expected one of {sorted(GPU_DATASHEETS)}")
+    peaks = GPU_DATASHEETS[gpu]
+    ridge = peaks.tflops["bfloat16"] / peaks.bandwidth_tb_s  # FLOP per byte
+    rows = []
+    for model in moe_parameter_table() if table is None else table:
+        E, k = model["experts"], model["top_k"]
+        per_expert, rest = divmod(model["total"] - model["active"], E - k)
+        if rest:
+            raise ValueError(f"table: {model['model']}'s inactive parameters are not a whole number of its {E - k} unused experts")
+        always = model["total"] - E * per_expert
+        for B in batch_sizes:
+            experts_read = expected_distinct_experts(E, k, B)
+            step_bytes = (always + experts_read * per_expert) * bytes_per_param
+            tokens_per_expert = B * k / experts_read
+            rows.append(dict(model=model["model"], experts=E, top_k=k, batch=B, expert_params=per_expert, other_params=always,
+                             experts_read=experts_read, bytes=step_bytes, bytes_per_token=step_bytes / B,
+                             tokens_per_expert=tokens_per_expert, flop_per_byte=2 * tokens_per_expert / bytes_per_param,
+                             ridge=ridge, compute_bound_batch=math.ceil(ridge * bytes_per_param / 2 * E / k)))
+    return rows
+
+
+def decode_distinct_experts(model: TransformerLM, batch_sizes=(1, 2, 4, 8, 16, 32)) -> list[dict]:
+    """Different experts a *trained* router uses per decoding step: the routing of
+    :func:`fixed_batch_routing` (32 sequences); a step of batch ``B`` is one position of ``B`` of
+    the sequences (consecutive groups of ``B``). Per ``B``: ``measured`` (mean distinct experts per
+    step and MoE layer, over every position and group) and ``uniform``
+    (:func:`expected_distinct_experts`). Returns one row per ``B``."""
+    sequences, length = EXPERIMENT_TRAIN.batch_size, EXPERIMENT_TRAIN.context_length
+    bad = [b for b in batch_sizes if isinstance(b, bool) or not isinstance(b, int) or b < 1 or sequences % b]
+    if bad:
+        raise ValueError(f"batch_sizes: {bad} do not divide the {sequences} sequences")
+    routings = fixed_batch_routing(model)
+    rows = []
+    for B in batch_sizes:
+        per_layer = []
+        for routing in routings:
+            groups, k = sequences // B, routing.top_k
+            chosen = routing.expert_index.view(groups, B, length, k).permute(0, 2, 1, 3).reshape(groups, length, B * k)
+            used = torch.zeros(groups, length, routing.num_experts, dtype=torch.bool).scatter_(2, chosen, True)
+            per_layer.append(used.sum(-1).float().mean())
+        rows.append(dict(batch=B, measured=float(torch.stack(per_layer).mean()),
+                         uniform=expected_distinct_experts(routings[0].num_experts, routings[0].top_k, B)))
+    return rows
+
+
+def _check_counts(**values) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected a positive integer")
 
 
 # ============================================================================ the widget's callback

@@ -542,3 +542,128 @@ def test_group_limited_routing_is_deepseek_v3s_gate():
 def test_group_limited_routing_rejects_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=name):
         top_k_gating(torch.randn(3, 32), 6, **kwargs)
+
+
+# ----------------------------------------------------------------------------- expert choice, roundoff, decoding
+def test_expert_choice_gating_is_each_experts_top_c_tokens():
+    logits = logits_of(T=50, E=5, seed=3)
+    chosen = moe.expert_choice_gating(logits, 12)
+    probs = torch.softmax(logits, -1)
+    for e in range(5):  # reference: every expert sorts the tokens by its score, a plain loop
+        ranked = sorted(range(50), key=lambda t: -float(probs[t, e]))[:12]
+        assert chosen.token_index[e].tolist() == ranked
+        torch.testing.assert_close(chosen.gates[e], probs[ranked, e])
+    per_token = [sum(t in chosen.token_index[e].tolist() for e in range(5)) for t in range(50)]
+    assert chosen.experts_per_token().tolist() == per_token and sum(per_token) == 5 * 12
+    sets = chosen.expert_sets()
+    assert sets.shape == (50, 5) and sets.sum(0).tolist() == [12] * 5 and sets.sum(1).tolist() == per_token
+    for bad in (0, 51, 2.5, True):
+        with pytest.raises(ValueError, match="capacity"):
+            moe.expert_choice_gating(logits, bad)
+
+
+def test_router_roundoff_against_hand_rounded_logits():
+    # bf16 has 8 significant bits: at 100 its spacing is 0.5, so 100.3 rounds to 100.5; at 200 (scale 2) it is 1,
+    # so 200.6 rounds to 201
+    logits = torch.tensor([[100.0, 100.3]])
+    one, two = moe.router_roundoff(logits, scales=(1, 2))
+    for row, exact_gap, rounded_gap, spacing in ((one, 0.3, 0.5, 0.5), (two, 0.6, 1.0, 1.0)):
+        exact_p, rounded_p = 1 / (1 + math.exp(-exact_gap)), 1 / (1 + math.exp(-rounded_gap))
+        assert row["logit_spacing"] == spacing and row["changed_fraction"] == 0.0
+        assert row["gate_relative_error"] == pytest.approx(abs(rounded_p - exact_p) / exact_p, rel=1e-4)
+        lse = row["scale"] * 100.3 + math.log1p(math.exp(-exact_gap))
+        assert row["logsumexp"] == pytest.approx(lse, rel=1e-6) and row["z_loss"] == pytest.approx(lse**2, rel=1e-5)
+    with pytest.raises(ValueError, match="scales"):
+        moe.router_roundoff(logits, scales=(1, -2))
+
+
+def test_expected_distinct_experts_matches_enumeration_and_simulation():
+    import itertools
+
+    pairs = list(itertools.combinations(range(4), 2))  # every top-2 choice among 4 experts, equally likely
+    exact = sum(len(set(itertools.chain(*steps))) for steps in itertools.product(pairs, repeat=3)) / len(pairs) ** 3
+    assert moe.expected_distinct_experts(4, 2, 3) == pytest.approx(exact, rel=1e-12)
+    gen = torch.Generator().manual_seed(0)
+    picks = torch.rand(20000, 8, 8, generator=gen).topk(2, dim=-1).indices  # 20000 batches of 8 tokens, top-2 of 8
+    used = torch.zeros(20000, 8, dtype=torch.bool).scatter_(1, picks.reshape(20000, 16), True).sum(1).float().mean()
+    assert moe.expected_distinct_experts(8, 2, 8) == pytest.approx(float(used), abs=0.03)
+    assert moe.expected_distinct_experts(8, 2, 1) == 2 and moe.expected_distinct_experts(8, 8, 5) == 8
+    for kwargs, name in ((dict(num_experts=0, top_k=1, tokens=1), "num_experts"), (dict(num_experts=4, top_k=5, tokens=1), "top_k"),
+                         (dict(num_experts=4, top_k=1, tokens=0), "tokens")):
+        with pytest.raises(ValueError, match=name):
+            moe.expected_distinct_experts(**kwargs)
+
+
+def test_decode_weight_reads_counts_every_weight_of_a_small_moe():
+    config = ModelConfig(vocab_size=50, context_length=16, d_model=16, num_layers=3, num_heads=2, d_ff=24,
+                         moe=MoEConfig(num_experts=6, top_k=2, d_ff=8, every=1, first_dense=1, num_shared_experts=1))
+    model = TransformerLM(config, device="meta")
+    expert_weights = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    other = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n) + 2 * 6  # + the bias buffers
+    total, active = count_parameters(config) + 2 * 6, None
+    active = total - 2 * (6 - 2) * 3 * 16 * 8
+    table = [dict(model="small", experts=6, top_k=2, total=total, active=active)]
+    rows = moe.decode_weight_reads(table, batch_sizes=(1, 3, 1000), bytes_per_param=2)
+    assert expert_weights == 2 * 6 * 3 * 16 * 8
+    for row in rows:
+        assert row["expert_params"] == 2 * 3 * 16 * 8 and row["other_params"] == other
+        read = moe.expected_distinct_experts(6, 2, row["batch"])
+        assert row["bytes"] == pytest.approx(2 * (other + read * row["expert_params"]))
+        assert row["tokens_per_expert"] == pytest.approx(row["batch"] * 2 / read)
+        assert row["compute_bound_batch"] == math.ceil(989.5 / 3.35 * 6 / 2)
+    assert rows[0]["bytes"] == 2 * active and rows[2]["bytes"] == pytest.approx(2 * total)
+    with pytest.raises(ValueError, match="table"):
+        moe.decode_weight_reads([dict(table[0], active=active + 1)])
+    with pytest.raises(ValueError, match="gpu"):
+        moe.decode_weight_reads(table, gpu="TPU")
+    with pytest.raises(ValueError, match="batch_sizes"):
+        moe.decode_weight_reads(table, batch_sizes=(0,))
+
+
+def test_decode_distinct_experts_and_fixed_batch_routing_against_a_loop():
+    task = moe.experiment_task()
+    torch.manual_seed(0)
+    model = TransformerLM(moe.experiment_config(task.vocab_size, 32, MoEConfig(num_experts=8, top_k=2, d_ff=16)))
+    routings = moe.fixed_batch_routing(model)
+    assert len(routings) == 2 and routings[0].expert_index.shape == (1024, 2)
+    rows = moe.decode_distinct_experts(model, batch_sizes=(1, 4, 32))
+    assert rows[0]["measured"] == 2.0
+    for row in rows:
+        B = row["batch"]
+        counts = [len({int(e) for i in range(B) for e in r.expert_index[((g * B + i) * 32 + p)]})
+                  for r in routings for g in range(32 // B) for p in range(32)]
+        assert row["measured"] == pytest.approx(sum(counts) / len(counts))
+        assert row["uniform"] == moe.expected_distinct_experts(8, 2, B)
+    with pytest.raises(ValueError, match="batch_sizes"):
+        moe.decode_distinct_experts(model, batch_sizes=(3,))
+    with pytest.raises(ValueError, match="MoE"):
+        moe.fixed_batch_routing(TransformerLM(moe.experiment_config(task.vocab_size, 32)))
+
+
+def test_capacity_experiment_drops_by_priority():
+    task = moe.experiment_task()
+    torch.manual_seed(0)
+    model = TransformerLM(moe.experiment_config(task.vocab_size, 32, MoEConfig(num_experts=8, top_k=2, d_ff=16)))
+    order, gate = (moe.capacity_experiment(capacity_factors=(0.5,), model=model, priority=p)[0] for p in ("order", "gate"))
+    for row in (order, gate):
+        assert row["dropped_fraction"] == pytest.approx(sum(row["dropped_by_quarter"]) / 4)
+        assert row["dropped_fraction"] == pytest.approx(sum(row["dropped_by_choice"]) / 2)
+    # the capacity fixes how many (not exactly: what the first MoE layer drops changes the second one's inputs)
+    assert order["dropped_fraction"] == pytest.approx(gate["dropped_fraction"], abs=0.01)
+    assert order["dropped_by_choice"][0] < order["dropped_by_choice"][1]
+    assert order["dropped_by_quarter"] == sorted(order["dropped_by_quarter"]) and order["dropped_by_quarter"][0] < order["dropped_by_quarter"][3]
+    assert all(m.priority == "gate" and m.capacity_factor is None for m in moe_layers(model))  # restored
+    with pytest.raises(ValueError, match="priority"):
+        moe.capacity_experiment(model=model, priority="first")
+
+
+def test_seed_band_by_hand():
+    band = moe.seed_band([[1, 2, 3, 4], [3, 2, 1, 0]], window=2)
+    assert band["step"].tolist() == [1, 2, 3, 4]
+    assert band["mean"].tolist() == [2, 2, 2, 2]
+    assert band["low"].tolist() == [1, 1.5, 1.5, 0.5] and band["high"].tolist() == [3, 2.5, 2.5, 3.5]
+    for bad, name in (([[]], "curves"), ([1, 2], "curves")):
+        with pytest.raises(ValueError, match=name):
+            moe.seed_band(bad)
+    with pytest.raises(ValueError, match="window"):
+        moe.seed_band([[1.0]], window=0)
