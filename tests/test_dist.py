@@ -411,7 +411,10 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
         assert len(ranks) == 4, f"the ranks did not start:\n{(tmp_path / 'launcher_stderr.txt').read_text()}"
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
-        assert _still_alive_after(ranks, 10) == []
+        # A chain of exits: the rank server sees its pipe close and exits (finalising the torch it preloaded), then
+        # each rank gets its parent-death signal. A fresh clone's tests under load 16 on 2 cores took longer than
+        # 10 s for it; what matters is that the ranks end at all.
+        assert _still_alive_after(ranks, 60) == []
     finally:
         if launcher.poll() is None:
             launcher.kill()
