@@ -350,6 +350,80 @@ def finish_gradient_synchronization(model: nn.Module) -> None:
             module.finish_gradient_synchronization()
 
 
+# ============================================================================ vocabulary-parallel cross-entropy
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token ``logsumexp(z) - z[target]`` over a vocabulary split across the ranks (Megatron-LM):
+    three all-reduces of one number per token (the max, the sum of exponentials, the target's
+    logit, which lives on one rank), never the logits. Backward needs no communication: this
+    rank's slice of ``softmax(z) - onehot(target)``."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, group):
+        rank, shard = dist.get_rank(group), logits.shape[-1]
+        logits = logits.float()
+        peak = logits.amax(dim=-1)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        exps = torch.exp(logits - peak[..., None])
+        total = exps.sum(dim=-1)
+        dist.all_reduce(total, group=group)
+        local = targets - rank * shard
+        mine = (local >= 0) & (local < shard)
+        target_logit = torch.where(mine, logits.gather(-1, local.clamp(0, shard - 1)[..., None]).squeeze(-1) - peak,
+                                   torch.zeros_like(peak))
+        dist.all_reduce(target_logit, group=group)
+        ctx.save_for_backward(exps / total[..., None], local, mine)
+        return torch.log(total) - target_logit
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        grad_logits.scatter_add_(-1, local.clamp(0, softmax.shape[-1] - 1)[..., None], -mine.to(softmax.dtype)[..., None])
+        return grad_logits * grad[..., None], None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group=None) -> torch.Tensor:
+    """The per-token cross-entropy of logits whose vocabulary is split across the ranks of
+    ``group``: rank ``r`` holds ``logits[..., V/N]``, the columns ``r·V/N ..`` of the whole
+    ``[..., V]`` (what a column-parallel LM head computes); ``targets`` (the whole vocabulary's
+    ids, the same on every rank). Returns ``[...]`` float32 losses, the same on every rank, equal
+    to ``cross_entropy(all logits, targets, reduction="none")``; its gradient reaches only this
+    rank's logits. Sends 3 numbers per token where gathering the logits would send ``V``."""
+    _group_rank_size(group)  # a process group, or a clear error
+    if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"targets: expected a tensor of integer token ids, got {getattr(targets, 'dtype', type(targets).__name__)}")
+    if logits.dim() < 1 or logits.shape[:-1] != targets.shape:
+        raise ValueError(f"logits, targets: expected logits [..., V/N] with the leading shape of targets, "
+                         f"got {tuple(logits.shape)} and {tuple(targets.shape)}")
+    return _VocabParallelCrossEntropy.apply(logits, targets.long(), group)
+
+
+# ============================================================================ context parallelism: who computes what
+def context_parallel_positions(seq_len: int, world_size: int, layout: str = "contiguous") -> list[list[int]]:
+    """The token positions each rank of a context-parallel group holds: ``"contiguous"``, rank ``r``
+    the ``r``-th ``seq_len/N`` positions; ``"zigzag"`` (Llama 3), the sequence cut into ``2N``
+    chunks and rank ``r`` given chunks ``r`` and ``2N - 1 - r``, an early and a late one."""
+    _check_positive_ints(seq_len=seq_len, world_size=world_size)
+    if layout not in ("contiguous", "zigzag"):
+        raise ValueError(f"layout={layout!r}: expected 'contiguous' or 'zigzag'")
+    pieces = world_size if layout == "contiguous" else 2 * world_size
+    if seq_len % pieces:
+        raise ValueError(f"seq_len={seq_len} must be divisible by {pieces} for the {layout} layout on {world_size} ranks")
+    size = seq_len // pieces
+    chunk = lambda c: list(range(c * size, (c + 1) * size))  # noqa: E731
+    if layout == "contiguous":
+        return [chunk(r) for r in range(world_size)]
+    return [chunk(r) + chunk(2 * world_size - 1 - r) for r in range(world_size)]
+
+
+def causal_attention_work(seq_len: int, world_size: int, layout: str = "contiguous") -> list[int]:
+    """Query-key pairs each rank scores under a causal mask when it holds the queries of
+    :func:`context_parallel_positions` and sees every key: a query at position ``t`` attends to
+    ``t + 1`` keys. Contiguous shards leave the last rank about ``2N - 1`` times the first's work;
+    the zig-zag layout gives every rank the same."""
+    return [sum(t + 1 for t in positions) for positions in context_parallel_positions(seq_len, world_size, layout)]
+
+
 # ============================================================================ predicted communication
 def _check_positive_ints(**values) -> None:
     for name, value in values.items():
@@ -489,7 +563,77 @@ def one_f_one_b_schedule(num_stages: int, micro_batches: int, stage: int) -> lis
     return actions + [("B", i) for i in range(backward, micro_batches)]
 
 
+def interleaved_one_f_one_b_schedule(num_stages: int, micro_batches: int, stage: int, chunks: int = 2) -> list[tuple[str, int, int]]:
+    """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM): each rank holds ``chunks`` model
+    chunks of ``L/(chunks·p)`` layers (rank ``s``'s chunk ``c`` is virtual stage ``c·p + s``), so a
+    micro-batch passes every rank ``chunks`` times and each pass is ``chunks`` times shorter.
+    ``[("F"|"B", micro_batch, chunk), ...]``. Micro-batches go in rounds of ``p``: forwards run
+    chunk 0 of a round's ``p`` micro-batches, then chunk 1, ...; backwards the chunks in reverse.
+    ``2(p - s - 1) + (chunks - 1)·p`` warm-up forwards, then one forward and one backward, then the
+    remaining backwards. Needs ``micro_batches`` a multiple of ``p``; the bubble shrinks to
+    ``(p-1)/(chunks·m)`` of the compute time (:func:`interleaved_bubble_fraction`)."""
+    _check_schedule_args(num_stages, micro_batches, stage)
+    _check_positive_ints(chunks=chunks)
+    if micro_batches % num_stages:
+        raise ValueError(f"micro_batches={micro_batches}: the interleaved schedule needs a multiple of num_stages={num_stages}")
+    p, passes = num_stages, chunks * micro_batches
+
+    def pass_number(k: int, forward: bool) -> tuple[int, int]:  # the k-th forward (backward) pass: (micro-batch, chunk)
+        chunk = (k // p) % chunks
+        return (k // (p * chunks)) * p + k % p, chunk if forward else chunks - 1 - chunk
+
+    warmup = min(2 * (p - stage - 1) + (chunks - 1) * p, passes)
+    actions = [("F", *pass_number(k, True)) for k in range(warmup)]
+    for k in range(passes - warmup):
+        actions += [("F", *pass_number(warmup + k, True)), ("B", *pass_number(k, False))]
+    return actions + [("B", *pass_number(k, False)) for k in range(passes - warmup, passes)]
+
+
+def zero_bubble_schedule(num_stages: int, micro_batches: int, stage: int) -> list[tuple[str, int]]:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the backward pass split into
+    ``"B"`` (the input's gradient, which the previous stage waits for) and ``"W"`` (the weights'
+    gradient, which nobody waits for). 1F1B's order of forwards and ``B``s, with stage ``s``
+    delaying its ``W``s by ``s`` micro-batches: the ``B``s then reach the first stage sooner,
+    and the late ``W``s fill the tail where 1F1B idles. Every stage holds at most ``p``
+    micro-batches (forwarded, weight gradient not yet computed), 1F1B's first stage's peak. With
+    forward, ``B`` and ``W`` equally long the bubble is a third of 1F1B's
+    (:func:`zero_bubble_fraction`)."""
+    _check_schedule_args(num_stages, micro_batches, stage)
+    warmup = min(num_stages - stage - 1, micro_batches)
+    actions = [("F", i) for i in range(warmup)]
+    weights = 0
+    for i in range(micro_batches):
+        if warmup + i < micro_batches:
+            actions.append(("F", warmup + i))
+        actions.append(("B", i))
+        if i >= stage:
+            actions.append(("W", weights))
+            weights += 1
+    return actions + [("W", i) for i in range(weights, micro_batches)]
+
+
+def interleaved_bubble_fraction(num_stages: int, micro_batches: int, chunks: int) -> float:
+    """Idle fraction of the interleaved 1F1B step with equal stages: the fill and drain last
+    ``(p-1)/chunks`` slots instead of ``p - 1``, so ``(p-1) / (chunks·m + p - 1)`` of the step
+    (``(p-1)/(chunks·m)`` of the compute time, Narayanan et al. 2021)."""
+    _check_positive_ints(num_stages=num_stages, micro_batches=micro_batches, chunks=chunks)
+    return (num_stages - 1) / (chunks * micro_batches + num_stages - 1)
+
+
+def zero_bubble_fraction(num_stages: int, micro_batches: int, forward_time: float = 1.0, input_grad_time: float = 1.0,
+                         weight_grad_time: float = 1.0) -> float:
+    """Idle fraction of ZB-H1 with equal stages: each stage idles ``(p-1)(T_F + T_B - T_W)`` of a
+    step that computes ``m (T_F + T_B + T_W)`` (Qi et al. 2023, section 2.1; 1F1B idles
+    ``(p-1)(T_F + T_B + T_W)``). Holds for ``T_W <= T_B`` and ``m >= p``."""
+    _check_positive_ints(num_stages=num_stages, micro_batches=micro_batches)
+    idle = (num_stages - 1) * (forward_time + input_grad_time - weight_grad_time)
+    return idle / (micro_batches * (forward_time + input_grad_time + weight_grad_time) + idle)
+
+
 SCHEDULES = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule}
+# What simulate_schedule can time besides: an interleaved schedule needs model chunks, a zero-bubble one a
+# backward split in two; run_pipeline runs only the two above.
+SIMULATED_SCHEDULES = {**SCHEDULES, "interleaved-1f1b": interleaved_one_f_one_b_schedule, "zb-h1": zero_bubble_schedule}
 
 
 def _check_schedule_args(num_stages, micro_batches, stage) -> None:
@@ -566,6 +710,21 @@ def run_pipeline(stage: PipelineStage, schedule: str, inputs: list[torch.Tensor]
             "activation_bytes_per_micro_batch": per_micro_batch}
 
 
+def peak_in_flight(actions, chunks: int = 1) -> float:
+    """The most micro-batches whose activations one stage holds at once under its ``actions``
+    (``[(kind, micro_batch[, chunk]), ...]`` or the events of one stage), in units of one
+    micro-batch through the whole stage: a forward adds ``1/chunks``, and the pass that frees it
+    removes as much, the backward, or ``"W"`` where the backward is split (B keeps what W needs)."""
+    _check_positive_ints(chunks=chunks)
+    actions = [a[:1] for a in actions]
+    freeing = "W" if any(kind == "W" for kind, in actions) else "B"
+    held = most = 0
+    for kind, in actions:
+        held += 1 if kind == "F" else -1 if kind == freeing else 0
+        most = max(most, held)
+    return most / chunks
+
+
 def measured_bubble(events_by_rank: dict[int, list]) -> float:
     """Idle fraction of a pipeline run from its per-rank events: ``1 - busy / (p · makespan)``,
     the makespan running from the first event's start to the last event's end over all ranks."""
@@ -587,24 +746,60 @@ class ScheduleDeadlock(RuntimeError):
             f"stage {s} waits at {a[0]}{a[1]} for stage {d[1]}'s {d[0]}{d[2]}" for s, (a, d) in waiting.items()))
 
 
-def simulate_schedule(schedule, num_stages: int, micro_batches: int, forward_time: float = 1.0,
-                      backward_time: float = 2.0) -> dict[int, list]:
-    """The events :func:`run_pipeline` would record if every stage took exactly
-    ``forward_time`` per forward and ``backward_time`` per backward and messages were free: each
-    action starts when its stage is free and its input has arrived (a forward needs the previous
-    stage's forward of its micro-batch, a backward the next stage's backward, or on the last stage
-    its own forward). ``schedule``: a name in :data:`SCHEDULES`, or ``{stage: [(kind, i), ...]}``
-    for every stage. ``{stage: [(kind, i, start, end)]}``; :func:`measured_bubble` of it is exactly
-    :func:`bubble_fraction` for the schedules above. Raises :class:`ScheduleDeadlock` when no stage
-    can go on."""
+def simulate_schedule(schedule, num_stages: int, micro_batches: int, forward_time=1.0, backward_time=2.0,
+                      weight_grad_time: float | None = None, chunks: int = 1, pass_times: dict | None = None) -> dict[int, list]:
+    """The events :func:`run_pipeline` would record if every pass took exactly its time and
+    messages were free: each action starts when its stage is free and its input has arrived.
+
+    ``schedule``: a name in :data:`SIMULATED_SCHEDULES`, or ``{stage: [action, ...]}`` for every
+    stage, an action being ``(kind, micro_batch)`` or, with model chunks, ``(kind, micro_batch,
+    chunk)``; rank ``s``'s chunk ``c`` is virtual stage ``c·p + s`` of ``chunks·p``. A forward
+    ``"F"`` needs the previous virtual stage's forward of its micro-batch; a backward ``"B"`` the
+    next one's ``"B"`` (the last one: its own forward); a weight gradient ``"W"`` (zero-bubble
+    schedules, which split the backward) its own ``"B"``.
+
+    ``forward_time`` and ``backward_time`` (the whole backward): one stage's passes over one
+    micro-batch, a number or one per stage; a chunk's pass takes ``1/chunks`` of its stage's. Where
+    a schedule has ``"W"`` actions, ``"B"`` takes ``backward_time - weight_grad_time`` and ``"W"``
+    ``weight_grad_time`` (default: half the backward, as Qi et al. assume). ``pass_times``:
+    ``{(stage, kind, micro_batch[, chunk]): duration}`` for single passes (see :func:`replay_timeline`).
+
+    Returns ``{stage: [(kind, micro_batch, start, end[, chunk])]}``; :func:`measured_bubble` of it
+    is :func:`bubble_fraction` for GPipe and 1F1B, :func:`interleaved_bubble_fraction` and
+    :func:`zero_bubble_fraction` for the others. Raises :class:`ScheduleDeadlock` when no stage can go on."""
+    _check_positive_ints(num_stages=num_stages, micro_batches=micro_batches, chunks=chunks)
     if isinstance(schedule, str):
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r}: expected one of {sorted(SCHEDULES)} or {{stage: actions}}")
-        plans = {s: list(SCHEDULES[schedule](num_stages, micro_batches, s)) for s in range(num_stages)}
+        if schedule not in SIMULATED_SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}: expected one of {sorted(SIMULATED_SCHEDULES)} or {{stage: actions}}")
+        if chunks > 1 and schedule != "interleaved-1f1b":
+            raise ValueError(f"chunks={chunks}: only 'interleaved-1f1b' splits a stage into model chunks")
+        extra = {"chunks": chunks} if schedule == "interleaved-1f1b" else {}
+        plans = {s: list(SIMULATED_SCHEDULES[schedule](num_stages, micro_batches, s, **extra)) for s in range(num_stages)}
     elif isinstance(schedule, dict) and sorted(schedule) == list(range(num_stages)):
-        plans = {s: list(schedule[s]) for s in range(num_stages)}
+        plans = {s: [tuple(a) for a in schedule[s]] for s in range(num_stages)}
     else:
-        raise TypeError(f"schedule: expected a name in {sorted(SCHEDULES)} or {{stage: actions}} for stages 0..{num_stages - 1}")
+        raise TypeError(f"schedule: expected a name in {sorted(SIMULATED_SCHEDULES)} or {{stage: actions}} for stages 0..{num_stages - 1}")
+    for s, actions in plans.items():
+        for action in actions:
+            if not (len(action) in (2, 3) and action[0] in ("F", "B", "W") and all(isinstance(n, int) for n in action[1:])
+                    and (len(action) == 2 or 0 <= action[2] < chunks)):
+                raise ValueError(f"schedule: stage {s}'s action {action!r}: expected (kind, micro_batch) or (kind, micro_batch, chunk) "
+                                 f"with kind 'F', 'B' or 'W' and chunk < chunks={chunks}")
+    split = any(a[0] == "W" for actions in plans.values() for a in actions)
+    per_stage = {}
+    for name, value in (("forward_time", forward_time), ("backward_time", backward_time)):
+        values = [value] * num_stages if isinstance(value, (int, float)) else list(value)
+        if len(values) != num_stages or not all(v > 0 for v in values):
+            raise ValueError(f"{name}={value!r}: expected a positive number or one per stage ({num_stages})")
+        per_stage[name] = values
+    weight = [b / 2 if weight_grad_time is None else weight_grad_time for b in per_stage["backward_time"]]
+    if split and not all(0 < w < b for w, b in zip(weight, per_stage["backward_time"])):
+        raise ValueError(f"weight_grad_time={weight_grad_time!r}: expected a part of the backward, between 0 and backward_time")
+    times = {s: {"F": per_stage["forward_time"][s] / chunks,
+                 "B": (per_stage["backward_time"][s] - (weight[s] if split else 0)) / chunks, "W": weight[s] / chunks}
+             for s in range(num_stages)}
+    pass_times = pass_times or {}
+    last = chunks * num_stages - 1
     done: dict[tuple, float] = {}
     free = [0.0] * num_stages
     events = {s: [] for s in range(num_stages)}
@@ -613,15 +808,18 @@ def simulate_schedule(schedule, num_stages: int, micro_batches: int, forward_tim
         for s in range(num_stages):
             if not plans[s]:
                 continue
-            kind, i = plans[s][0]
-            dependency = (("F", s - 1, i) if s > 0 else None) if kind == "F" else (("B", s + 1, i) if s < num_stages - 1 else ("F", s, i))
+            action = plans[s][0]
+            kind, i = action[:2]
+            virtual = s + num_stages * (action[2] if len(action) == 3 else 0)
+            dependency = {"F": ("F", virtual - 1, i) if virtual > 0 else None,
+                          "B": ("B", virtual + 1, i) if virtual < last else ("F", virtual, i), "W": ("B", virtual, i)}[kind]
             if dependency is not None and dependency not in done:
-                waiting[s] = ((kind, i), dependency)
+                waiting[s] = (action, dependency)
                 continue
             begin = max(free[s], done.get(dependency, 0.0))
-            end = begin + (forward_time if kind == "F" else backward_time)
-            done[(kind, s, i)], free[s] = end, end
-            events[s].append((kind, i, begin, end))
+            end = begin + pass_times.get((s, *action), times[s][kind])
+            done[(kind, virtual, i)], free[s] = end, end
+            events[s].append((kind, i, begin, end, *action[2:]))
             plans[s].pop(0)
             progressed = True
         if not progressed:
@@ -629,18 +827,39 @@ def simulate_schedule(schedule, num_stages: int, micro_batches: int, forward_tim
     return events
 
 
+def replay_timeline(events_by_rank: dict[int, list]) -> dict[int, list]:
+    """The timeline of a measured pipeline run (``{rank: [(kind, micro_batch, start, end), ...]}``,
+    as :func:`run_pipeline` records it) with every pass as long as it was measured, in the same
+    order, but messages and everything between the passes free: :func:`simulate_schedule` with
+    each pass's own duration. Every pass of it starts as early as the run's passes could have
+    (a measured start is never earlier: it waited at least as long for the same passes), so its
+    :func:`measured_bubble` is at most the run's; the difference is what the time between the
+    passes cost (messages, Python), and the replay's excess over the formula what unequal passes cost."""
+    if not events_by_rank or sorted(events_by_rank) != list(range(len(events_by_rank))):
+        raise ValueError("events_by_rank: expected {rank: events} for ranks 0..p-1")
+    plans, durations = {}, {}
+    for rank, events in events_by_rank.items():
+        ordered = sorted(events, key=lambda e: e[2])
+        plans[rank] = [(e[0], e[1], *e[4:]) for e in ordered]
+        durations.update({(rank, e[0], e[1], *e[4:]): e[3] - e[2] for e in ordered})
+    micro_batches = sum(1 for e in events_by_rank[0] if e[0] == "F")
+    return simulate_schedule(plans, len(plans), max(micro_batches, 1), pass_times=durations)
+
+
 def plot_timeline(events_by_rank: dict[int, list], title: str = "", ax=None):
-    """One row per rank, one box per forward (light) and backward (dark) pass, labelled with its
-    micro-batch: the pipeline's timeline, with the bubble as white space."""
+    """One row per rank, one box per forward (light), backward (dark) and weight-gradient (medium)
+    pass, labelled with its micro-batch, odd model chunks hatched: the pipeline's timeline, with
+    the bubble as white space."""
     import matplotlib.pyplot as plt
 
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 0.5 + 0.45 * len(events_by_rank)))
     colors = plt.cm.tab10.colors
+    alpha = {"F": 0.45, "B": 0.95, "W": 0.7}
     for rank, events in events_by_rank.items():
-        for kind, i, start, end in events:
-            color = colors[i % 10]
-            ax.barh(rank, end - start, left=start, height=0.8, color=color, alpha=0.45 if kind == "F" else 0.95, ec="white")
+        for kind, i, start, end, *chunk in events:
+            ax.barh(rank, end - start, left=start, height=0.8, color=colors[i % 10], alpha=alpha[kind], ec="white",
+                    hatch="///" if chunk and chunk[0] % 2 else None)
             ax.text((start + end) / 2, rank, f"{kind}{i}", ha="center", va="center", fontsize=6)
     ax.set_yticks(list(events_by_rank))
     ax.set_yticklabels([f"stage {r}" for r in events_by_rank])

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit.dist import rank_device
+from labkit.dist import collective_bytes_sent, rank_device
 from labkit.memory import SavedTensorMeter
 from labkit.model import TransformerBlock, TransformerLM, tiny_config
 from labkit.parallel import (
@@ -34,6 +34,7 @@ from labkit.parallel import (
     sequence_shard,
     tensor_parallel_comm,
     tensor_parallel_model,
+    vocab_parallel_cross_entropy,
 )
 
 
@@ -395,6 +396,37 @@ def expert_parallel_traffic(rank: int, world_size: int, tokens_per_rank: int = 4
     return {"meter": meter.summary(), "exchange": layer.last_exchange}
 
 
+def vocab_parallel_loss(rank: int, world_size: int, tokens: int = 24, d_model: int = 16, vocab: int = 64, seed: int = 0) -> dict:
+    """An LM head split along the vocabulary (:class:`~labkit.parallel.ColumnParallelLinear`) and
+    :func:`~labkit.parallel.vocab_parallel_cross_entropy` against ``torch.nn.functional.cross_entropy``
+    on the whole head: the largest differences of the per-token losses, the hidden states' gradient
+    and this rank's slice of the head's weight gradient, what the meter counted, and the bytes an
+    all-gather of the logits would have handed over instead."""
+    device = rank_device()
+    torch.manual_seed(seed)
+    head = nn.Linear(d_model, vocab, bias=False).to(device)
+    gen = torch.Generator().manual_seed(seed + 1)
+    hidden = torch.randn(tokens, d_model, generator=gen).to(device)
+    targets = torch.randint(0, vocab, (tokens,), generator=gen).to(device)
+    ours_hidden, torch_hidden = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    ours = ColumnParallelLinear.from_linear(head, sync_input=True)
+    reference = copy.deepcopy(head)
+    with CommMeter() as forward_meter:
+        losses = vocab_parallel_cross_entropy(ours(ours_hidden), targets)
+    with CommMeter() as backward_meter:
+        losses.mean().backward()
+    expected = nn.functional.cross_entropy(reference(torch_hidden), targets, reduction="none")
+    expected.mean().backward()
+    rows = slice(rank * ours.d_out_local, (rank + 1) * ours.d_out_local)
+    logits_bytes = tokens * vocab * 4
+    return {"loss": _max_diff(losses, expected), "hidden_grad": _max_diff(ours_hidden.grad, torch_hidden.grad),
+            "weight_grad": _max_diff(ours.weight.grad, reference.weight.grad[rows]), "mean_loss": losses.mean().item(),
+            "forward": forward_meter.summary(), "backward": backward_meter.summary(),
+            "gather_logits_bytes": {"bytes": logits_bytes // world_size,
+                                    "sent": collective_bytes_sent("all_gather", logits_bytes // world_size, world_size)},
+            "tokens": tokens, "vocab": vocab}
+
+
 def several(rank: int, world_size: int, demos: dict[str, dict]) -> dict:
     """Run several functions of this module in one launch (process start-up costs seconds):
     ``demos`` maps a function name to its keyword arguments; returns ``{name: result}`` and
@@ -411,4 +443,5 @@ def several(rank: int, world_size: int, demos: dict[str, dict]) -> dict:
 
 
 _DEMOS = {f.__name__: f for f in (tensor_parallel_layers, tensor_parallel_training, torch_tensor_parallel, pipeline_training,
-                                  pipeline_timing, torch_pipelining, ring_attention_check, expert_parallel_traffic)}
+                                  pipeline_timing, torch_pipelining, ring_attention_check, expert_parallel_traffic,
+                                  vocab_parallel_loss)}

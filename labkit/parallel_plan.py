@@ -17,6 +17,7 @@ assumes no overlap with compute (an upper bound).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -407,3 +408,22 @@ def strategy_memory(config: ModelConfig | str, gpus: int, seq_len: int = 4096, m
         out[label] = max((stage_memory(config, t, p, 1, dp, s, p, micro_batch, seq_len, zero_stage=zero, sequence_parallel=sp,
                                        **assumptions) for s in range(p)), key=lambda b: b.total)
     return out
+
+
+def mesh_groups(sizes: dict[str, int]) -> dict[str, list[list[int]]]:
+    """The rank groups of a device mesh of ``sizes`` (``{name: size}``, outermost first, as
+    ``init_device_mesh(..., mesh_shape, mesh_dim_names)`` takes them): the ranks are laid out row
+    by row, so the last dimension varies fastest. ``{name: [group, ...]}``, each group the ranks
+    that differ only along ``name`` (they run that dimension's collectives together). Put TP last
+    and its groups are consecutive ranks, the GPUs of one node."""
+    if not sizes or not all(isinstance(n, str) for n in sizes):
+        raise ValueError(f"sizes={sizes!r}: expected {{dimension name: size}}, outermost first")
+    _check_positive_ints(**sizes)
+    names, shape = list(sizes), list(sizes.values())
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    groups = {}
+    for axis, name in enumerate(names):
+        others = [range(n) if i != axis else range(1) for i, n in enumerate(shape)]
+        groups[name] = [[sum(c * s for c, s in zip(coords, strides)) + k * strides[axis] for k in range(shape[axis])]
+                        for coords in itertools.product(*others)]
+    return groups

@@ -19,7 +19,7 @@ def two():
     return launch(parallel_demos.several, world_size=2, backend="gloo", timeout=300, quiet=True, demos={
         "tensor_parallel_layers": {}, "tensor_parallel_training": {"steps": 2}, "torch_tensor_parallel": {},
         "pipeline_training": {"micro_batches": 4}, "ring_attention_check": {}, "expert_parallel_traffic": {},
-        "pipeline_timing": {"micro_batch_counts": (1, 8)}, "torch_pipelining": {},
+        "pipeline_timing": {"micro_batch_counts": (1, 8)}, "torch_pipelining": {}, "vocab_parallel_loss": {},
     })
 
 
@@ -28,6 +28,7 @@ def four():
     return launch(parallel_demos.several, world_size=4, backend="gloo", timeout=300, quiet=True, demos={
         "tensor_parallel_layers": {}, "pipeline_training": {"micro_batches": 6, "micro_batch": 1, "steps": 1},
         "ring_attention_check": {}, "torch_tensor_parallel": {}, "torch_pipelining": {"micro_batches": 4, "micro_batch": 1},
+        "vocab_parallel_loss": {},
     })
 
 
@@ -273,3 +274,144 @@ def test_modules_need_a_process_group():
         P.ColumnParallelLinear.from_linear(Linear(4, 4))
     with pytest.raises(ValueError, match="q"):
         P.ring_attention(torch.zeros(2, 2), torch.zeros(2, 2), torch.zeros(2, 2))
+
+
+# ----------------------------------------------------------------------------- interleaved and zero-bubble schedules
+def _torch_order(p, m, rank, chunks, zero_bubble):
+    """torch.distributed.pipelining's order for one rank (its ScheduleInterleaved1F1B and, with one chunk,
+    ScheduleInterleavedZeroBubble), built by the same private helpers its schedules call, idle slots dropped."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    if not hasattr(schedules, "_get_1f1b_rank_ops"):
+        pytest.skip("this torch builds its interleaved orders differently")
+    warmup = schedules._get_warmup_ops(rank, chunks, p, p, m, multiply_factor=1 if zero_bubble else 2)
+    steady = chunks * m - warmup
+    forward_stage = lambda step: ((step // p) % chunks) * p + rank  # noqa: E731
+    backward_stage = lambda step: (chunks - 1 - ((step - warmup) // p) % chunks) * p + rank  # noqa: E731
+    ops = schedules._get_1f1b_rank_ops(chunks, p, warmup, steady, chunks * m - steady, rank, forward_stage, backward_stage,
+                                       rank if zero_bubble else 0, enable_zero_bubble=zero_bubble)
+    kind = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
+    return [(kind[a.computation_type.name], a.microbatch_index, a.stage_index // p) for a in ops if a is not None]
+
+
+@pytest.mark.parametrize("p, m, chunks", [(2, 2, 2), (2, 4, 3), (4, 4, 2), (4, 8, 2), (4, 8, 4), (3, 9, 2)])
+def test_interleaved_schedule_is_torchs_and_its_bubble_is_p_minus_1_over_v_m(p, m, chunks):
+    for s in range(p):
+        order = P.interleaved_one_f_one_b_schedule(p, m, s, chunks)
+        assert order == _torch_order(p, m, s, chunks, zero_bubble=False)
+        assert sorted(order) == sorted((k, i, c) for k in "FB" for i in range(m) for c in range(chunks))
+    events = P.simulate_schedule("interleaved-1f1b", p, m, chunks=chunks)
+    bubble = P.measured_bubble(events)
+    assert bubble == pytest.approx(P.interleaved_bubble_fraction(p, m, chunks), abs=1e-12)
+    idle_over_compute = bubble / (1 - bubble)
+    assert idle_over_compute == pytest.approx((p - 1) / (chunks * m))  # Narayanan et al.'s (p-1)/(v·m)
+    # the same work as 1F1B: 3 units per micro-batch and stage, in passes chunks times shorter
+    assert sum(e[3] - e[2] for e in events[0]) == pytest.approx(3 * m)
+    assert min(e[3] - e[2] for e in events[0]) == pytest.approx(1 / chunks)
+    if chunks > 1:
+        assert bubble < P.bubble_fraction(p, m)
+    with pytest.raises(ValueError, match="multiple of num_stages"):
+        P.interleaved_one_f_one_b_schedule(p, p + 1, 0, chunks)
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 5), (3, 6), (4, 4), (4, 8), (8, 16)])
+@pytest.mark.parametrize("times", [(1, 1, 1), (1, 1.5, 0.5), (1, 1, 0.5), (2, 1.2, 0.8)])
+def test_zero_bubble_schedule_is_torchs_and_idles_p_minus_1_times_tf_plus_tb_minus_tw(p, m, times):
+    tf, tb, tw = times
+    for s in range(p):
+        order = P.zero_bubble_schedule(p, m, s)
+        assert [(k, i, 0) for k, i in order] == _torch_order(p, m, s, 1, zero_bubble=True)
+        assert sorted(order) == sorted((k, i) for k in "FBW" for i in range(m))
+        held = most = 0
+        for kind, _ in order:  # forwarded, weight gradient not yet computed
+            held += {"F": 1, "B": 0, "W": -1}[kind]
+            most = max(most, held)
+        assert most == min(p, m)  # every stage holds what 1F1B's first stage holds
+    events = P.simulate_schedule("zb-h1", p, m, forward_time=tf, backward_time=tb + tw, weight_grad_time=tw)
+    makespan = max(e[3] for ev in events.values() for e in ev)
+    assert makespan == pytest.approx(m * (tf + tb + tw) + (p - 1) * (tf + tb - tw))  # Qi et al. 2023, section 2.1
+    assert P.measured_bubble(events) == pytest.approx(P.zero_bubble_fraction(p, m, tf, tb, tw))
+    one_f_one_b = P.simulate_schedule("1f1b", p, m, forward_time=tf, backward_time=tb + tw)
+    assert max(e[3] for ev in one_f_one_b.values() for e in ev) == pytest.approx((m + p - 1) * (tf + tb + tw))
+    if (tf, tb, tw) == (1, 1, 1):
+        assert P.zero_bubble_fraction(p, m) / (1 - P.zero_bubble_fraction(p, m)) == pytest.approx((p - 1) / (3 * m))
+
+
+def test_simulate_schedule_times_stages_and_passes_and_refuses_bad_input():
+    # one slow stage: every slot waits for it (p = 2, m = 2: F F on stage 0, then stage 1 at twice the time)
+    events = P.simulate_schedule("gpipe", 2, 2, forward_time=[1, 2], backward_time=[2, 4])
+    assert events[1] == [("F", 0, 1, 3), ("F", 1, 3, 5), ("B", 0, 5, 9), ("B", 1, 9, 13)]
+    assert events[0][-1] == ("B", 1, 13, 15)
+    slow = P.simulate_schedule("1f1b", 2, 2, pass_times={(1, "F", 0): 5.0})
+    assert slow[1][0] == ("F", 0, 1, 6.0)
+    assert P.simulate_schedule("interleaved-1f1b", 2, 2, chunks=2)[0][0] == ("F", 0, 0, 0.5, 0)
+    with pytest.raises(ValueError, match="forward_time"):
+        P.simulate_schedule("1f1b", 2, 2, forward_time=[1])
+    with pytest.raises(ValueError, match="chunks"):
+        P.simulate_schedule("1f1b", 2, 2, chunks=2)
+    with pytest.raises(ValueError, match="weight_grad_time"):
+        P.simulate_schedule("zb-h1", 2, 2, weight_grad_time=3.0)
+    with pytest.raises(ValueError, match="action"):
+        P.simulate_schedule({0: [("X", 0)], 1: []}, 2, 1)
+
+
+def test_replay_never_idles_more_than_the_run_it_replays():
+    # a "measured" run: 1F1B's ideal timeline with stage 1's passes slower and a message delay of 0.5 on every hop
+    ideal = P.simulate_schedule("1f1b", 2, 4, forward_time=[1, 1.5], backward_time=[2, 3])
+    delayed = {s: [(k, i, a + 0.5 * n, b + 0.5 * n) for n, (k, i, a, b) in enumerate(ev)] for s, ev in ideal.items()}
+    assert P.replay_timeline(ideal) == ideal  # nothing between the passes: the replay is the run
+    replay = P.replay_timeline(delayed)
+    assert P.measured_bubble(replay) == pytest.approx(P.measured_bubble(ideal))
+    assert P.measured_bubble(delayed) > P.measured_bubble(replay) > P.bubble_fraction(2, 4)
+    with pytest.raises(ValueError, match="events_by_rank"):
+        P.replay_timeline({1: []})
+
+
+# ----------------------------------------------------------------------------- vocabulary-parallel cross-entropy
+@pytest.mark.parametrize("world", ["two", "four"])
+def test_vocab_parallel_cross_entropy_equals_torchs_and_sends_three_numbers_per_token(request, world):
+    runs = _runs(request, world)
+    n = len(runs)
+    for rank in runs:
+        r = runs[rank]["vocab_parallel_loss"]
+        assert max(r["loss"], r["hidden_grad"], r["weight_grad"]) < 1e-5, (rank, r)
+        per_token = r["tokens"] * 4  # one float32 per token and all-reduce
+        assert r["forward"] == {"all_reduce": {"calls": 3, "bytes": 3 * per_token,
+                                               "sent": pytest.approx(3 * 2 * (n - 1) / n * per_token)}}
+        assert r["backward"]["all_reduce"]["calls"] == 1  # f before the head: the hidden states' gradient, not the logits'
+        assert r["gather_logits_bytes"]["sent"] == (n - 1) * r["tokens"] * r["vocab"] // n * 4
+    assert len({round(runs[rank]["vocab_parallel_loss"]["mean_loss"], 6) for rank in runs}) == 1
+
+
+def test_vocab_parallel_cross_entropy_needs_matching_shapes():
+    with pytest.raises(RuntimeError, match="process group"):
+        P.vocab_parallel_cross_entropy(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------- context parallelism: who computes what
+def test_causal_work_per_rank_contiguous_and_zigzag():
+    for seq, n in [(16, 2), (32, 4), (64, 8), (48, 3)]:
+        mask = torch.tril(torch.ones(seq, seq, dtype=torch.long))  # row t: the keys query t attends to
+        for layout in ("contiguous", "zigzag"):
+            positions = P.context_parallel_positions(seq, n, layout)
+            assert sorted(t for p in positions for t in p) == list(range(seq))
+            work = P.causal_attention_work(seq, n, layout)
+            assert work == [int(mask[p].sum()) for p in positions]
+            assert sum(work) == seq * (seq + 1) // 2
+        contiguous, zigzag = P.causal_attention_work(seq, n), P.causal_attention_work(seq, n, "zigzag")
+        c = seq // n
+        assert contiguous == [c * r * c + c * (c + 1) // 2 for r in range(n)]
+        assert len(set(zigzag)) == 1
+    assert P.context_parallel_positions(8, 2, "zigzag") == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    with pytest.raises(ValueError, match="divisible by 8"):
+        P.context_parallel_positions(12, 4, "zigzag")
+    with pytest.raises(ValueError, match="layout"):
+        P.causal_attention_work(8, 2, "striped")
+
+
+def test_peak_in_flight_counts_what_a_stage_holds():
+    assert P.peak_in_flight(P.gpipe_schedule(4, 6, 0)) == 6
+    assert [P.peak_in_flight(P.one_f_one_b_schedule(4, 6, s)) for s in range(4)] == [4, 3, 2, 1]
+    assert [P.peak_in_flight(P.zero_bubble_schedule(4, 6, s)) for s in range(4)] == [4, 4, 4, 4]
+    # interleaved, p = 4, v = 2: 2(p-1) + (v-1)p = 10 warm-up chunk forwards, one more before the first backward
+    assert P.peak_in_flight(P.interleaved_one_f_one_b_schedule(4, 8, 0, 2), chunks=2) == 11 / 2
+    assert P.peak_in_flight(P.simulate_schedule("1f1b", 4, 6)[0]) == 4  # events work too

@@ -170,3 +170,32 @@ def test_tp_compute_to_comm_is_the_closed_form_and_says_where_tp_stops_paying():
         PP.tp_compute_to_comm(config, 1, 450e9)
     with pytest.raises(ValueError, match="dense"):
         PP.tp_compute_to_comm("mixtral-8x7b", 2, 450e9)
+
+
+def test_mesh_groups_lay_ranks_out_row_by_row():
+    sizes = {"dp": 2, "pp": 2, "cp": 1, "tp": 4}
+    groups = PP.mesh_groups(sizes)
+    assert groups["tp"][:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups["pp"][0] == [0, 4] and groups["dp"][0] == [0, 8] and groups["cp"][0] == [0]
+    # independent check: decode every rank's coordinates; a group's ranks differ only along its dimension
+    shape = list(sizes.values())
+
+    def coords(rank):
+        out = []
+        for n in reversed(shape):
+            rank, c = divmod(rank, n)
+            out.append(c)
+        return out[::-1]
+
+    for axis, name in enumerate(sizes):
+        assert sorted(r for g in groups[name] for r in g) == list(range(16))
+        for g in groups[name]:
+            assert len(g) == shape[axis]
+            rest = {tuple(c for i, c in enumerate(coords(r)) if i != axis) for r in g}
+            assert len(rest) == 1
+    import torch
+
+    mesh = torch.arange(16).reshape(shape)  # what DeviceMesh holds for init_device_mesh(..., (2, 2, 1, 4))
+    assert groups["tp"] == mesh.reshape(-1, 4).tolist()
+    with pytest.raises(ValueError, match="sizes"):
+        PP.mesh_groups({})
