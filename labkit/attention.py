@@ -438,18 +438,35 @@ def time_generation(model, prompt_ids: torch.Tensor, max_new_tokens: int, use_ca
 
 
 def decode_speed(model, new_token_counts, prompt_len: int = 8, batch_size: int = 1, repeats: int = 3) -> list[dict]:
-    """Generated tokens per second with and without the KV cache, for each generated length.
+    """Generated tokens per second with and without the KV cache, for each generated length, and the token
+    positions the model processed (``cached_positions``, ``uncached_positions``: counted by a hook on its forward
+    during the timed runs, per run and sequence).
 
     Without a cache step ``t`` re-runs the model on all ``prompt_len + t`` tokens, so total work
     grows quadratically with the length; with a cache each step runs one token."""
     prompt = random_prompt(model, prompt_len, batch_size)
     generate(model, prompt, 2)  # warm-up: first calls pay for allocations and lazy initialisation
+    processed = [0]
+
+    def count_positions(module, args):
+        processed[0] += args[0].shape[-1]
+
     rows = []
-    for count in new_token_counts:
-        cached = time_generation(model, prompt, count, use_cache=True, repeats=repeats)
-        uncached = time_generation(model, prompt, count, use_cache=False, repeats=repeats)
-        tokens = count * batch_size
-        rows.append(dict(new_tokens=count, cached_tok_s=tokens / cached, uncached_tok_s=tokens / uncached, speedup=uncached / cached))
+    handle = model.register_forward_pre_hook(count_positions)
+    try:
+        for count in new_token_counts:
+            row = dict(new_tokens=count)
+            for mode, use_cache in (("cached", True), ("uncached", False)):  # alternating, length by length
+                processed[0] = 0
+                row[mode] = time_generation(model, prompt, count, use_cache=use_cache, repeats=repeats)
+                row[f"{mode}_positions"] = processed[0] // repeats
+            tokens = count * batch_size
+            cached, uncached = row.pop("cached"), row.pop("uncached")
+            rows.append(dict(row, cached_tok_s=tokens / cached, uncached_tok_s=tokens / uncached,
+                             cached_ms_per_token=cached / count * 1e3, uncached_ms_per_token=uncached / count * 1e3,
+                             speedup=uncached / cached))
+    finally:
+        handle.remove()
     return rows
 
 

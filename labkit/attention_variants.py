@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from labkit.data import ArithmeticTask
+from labkit.kernels.paged_attention import paged_attention_varlen
 from labkit.model import ModelConfig, TransformerLM, tiny_config
 from labkit.nn import (
     Linear,
@@ -442,9 +443,10 @@ class PagedKVCache:
 
     ``append(seq_id, layer_idx, k, v)`` (``[num_kv_heads, new, head_dim]``) writes into the sequence's blocks (layer 0
     reserves the slots; every layer sees the same positions) and returns its keys and values gathered through the
-    block table, ``[num_kv_heads, length, head_dim]``. (The real PagedAttention kernel reads the blocks in place;
-    gathering them with torch indexing computes the same attention.) ``sequence(seq_id)`` is a one-sequence view with
-    :class:`labkit.nn.KVCache`'s ``update``/``length``, so a model's attention can use it directly."""
+    block table, ``[num_kv_heads, length, head_dim]``: :class:`labkit.nn.KVCache`'s interface hands attention whole
+    K/V tensors, so ``sequence(seq_id)``, a one-sequence view with ``update``/``length`` that a model's attention can
+    use directly, pays for that copy. :func:`paged_attention` does not: it reads the blocks in place through
+    :func:`labkit.kernels.paged_attention.paged_attention_varlen` (``block_table(seq_id)`` is its table row)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype=torch.float32, device=None):
@@ -486,13 +488,18 @@ class PagedKVCache:
             raise ValueError(f"layer_idx={layer_idx}: layer 0 reserved {self.allocator.lengths[seq_id]} positions, "
                              f"this layer would write up to {start + new}")
         size = self.allocator.block_size
-        table = torch.tensor(self.allocator.block_tables[seq_id], device=self.k.device)
+        table = self.block_table(seq_id)
         positions = torch.arange(start, start + new, device=self.k.device)
         blocks, offsets = table[positions // size], positions % size
         self.k[layer_idx, blocks, :, offsets] = k.transpose(0, 1)  # advanced indices first: [new, heads, head_dim]
         self.v[layer_idx, blocks, :, offsets] = v.transpose(0, 1)
         self._layer_lengths[seq_id][layer_idx] = length = start + new
         return self._gather(self.k[layer_idx], table, length), self._gather(self.v[layer_idx], table, length)
+
+    def block_table(self, seq_id) -> torch.Tensor:
+        """The blocks of ``seq_id`` in order, as an int64 tensor on the pool's device."""
+        self.allocator._check_seq(seq_id)
+        return torch.tensor(self.allocator.block_tables[seq_id], dtype=torch.long, device=self.k.device)
 
     @staticmethod
     def _gather(pool: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
@@ -527,12 +534,19 @@ class _SequenceView:
 
 def paged_attention(q: torch.Tensor, cache: PagedKVCache, seq_id, layer_idx: int = 0) -> torch.Tensor:
     """Causal attention of ``q`` ``[num_heads, num_queries, head_dim]`` (the sequence's last positions) over the keys and
-    values of ``seq_id`` in ``cache``, read through its block table (GQA when ``num_heads`` is a multiple of the cache's)."""
-    length = cache.length(seq_id, layer_idx)
-    table = torch.tensor(cache.allocator.block_tables[seq_id], dtype=torch.long, device=cache.k.device)
-    k = PagedKVCache._gather(cache.k[layer_idx], table, length)
-    v = PagedKVCache._gather(cache.v[layer_idx], table, length)
-    return grouped_query_attention(q, k, v, causal_mask(q.shape[-2], length, device=q.device))
+    values of ``seq_id`` in ``cache``, read through its block table (GQA when ``num_heads`` is a multiple of the cache's).
+
+    One sequence of :func:`labkit.kernels.paged_attention.paged_attention_varlen`: on a GPU its Triton kernel reads the
+    blocks in place; elsewhere its torch path gathers them first."""
+    if q.dim() != 3:
+        raise ValueError(f"q: expected [num_heads, num_queries, head_dim], got shape {tuple(q.shape)}")
+    length, num_queries = cache.length(seq_id, layer_idx), q.shape[1]
+    if not 0 < num_queries <= length:
+        raise ValueError(f"q: expected 1..{length} queries (the last positions of {seq_id!r}), got {num_queries}")
+    positions = torch.arange(length - num_queries, length, device=q.device)
+    out = paged_attention_varlen(q.transpose(0, 1), cache.k[layer_idx], cache.v[layer_idx],
+                                 cache.block_table(seq_id)[None], torch.zeros_like(positions), positions)
+    return out.transpose(0, 1)
 
 
 @dataclass

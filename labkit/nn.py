@@ -84,11 +84,10 @@ class Embedding(nn.Module):
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if token_ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"token_ids: expected an integer tensor, got {token_ids.dtype}")
-        if token_ids.numel() and (token_ids.min() < 0 or token_ids.max() >= self.num_embeddings):
-            raise ValueError(
-                f"token_ids: values must lie in [0, {self.num_embeddings}), "
-                f"got min {int(token_ids.min())}, max {int(token_ids.max())}"
-            )
+        if token_ids.numel():
+            low, high = (int(t) for t in torch.aminmax(token_ids))  # one reduction: a decode step pays it per token
+            if low < 0 or high >= self.num_embeddings:
+                raise ValueError(f"token_ids: values must lie in [0, {self.num_embeddings}), got min {low}, max {high}")
         # F.embedding rather than self.weight[token_ids]: the same rows forward, but its CPU backward
         # adds each position's gradient into its token's row in a fixed order, where the indexing
         # backward (index_put_ with accumulate) lets several threads race with atomic adds, so two
@@ -238,13 +237,17 @@ class RoPE(nn.Module):
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor) -> torch.Tensor:
+        if token_positions.numel():
+            low, high = (int(t) for t in torch.aminmax(token_positions))
+            if low < 0 or high >= self.max_seq_len:
+                raise ValueError(f"token_positions: must lie in [0, max_seq_len={self.max_seq_len}), "
+                                 f"got min {low}, max {high}")
+        return self.rotate(x, self.cos[token_positions], self.sin[token_positions])
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` rotated by the angles whose cosines and sines are ``cos``, ``sin`` (rows of ``self.cos``/``self.sin``,
+        ``[..., seq, d_k/2]``, broadcast against ``x``'s ``[..., seq, d_k]``)."""
         _check_last_dim(x, self.d_k)
-        if token_positions.numel() and (token_positions.min() < 0 or token_positions.max() >= self.max_seq_len):
-            raise ValueError(
-                f"token_positions: must lie in [0, max_seq_len={self.max_seq_len}), "
-                f"got max {int(token_positions.max())}"
-            )
-        cos, sin = self.cos[token_positions], self.sin[token_positions]  # [..., seq, d_k/2]
         x_even, x_odd = x.float()[..., 0::2], x.float()[..., 1::2]
         rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
         return rotated.flatten(-2).to(x.dtype)
@@ -409,10 +412,19 @@ class MultiHeadSelfAttention(nn.Module):
         v = self.v_proj(x).view(*lead, seq, self.num_kv_heads, self.head_dim).transpose(-3, -2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope is not None:
+        if self.rope is not None and token_positions is None and kv_cache is not None:
+            # positions start .. start + seq - 1 after the cached ones: their angles are a slice of the table, shared
+            # by q and k (no position tensor, lookup or range reduction per layer: a decode step's cost is mostly such
+            # small ops). Without a cache the positions are looked up below, so training saves what it always saved.
+            start = kv_cache.length(layer_idx)
+            if start + seq > self.rope.max_seq_len:
+                raise ValueError(f"token_positions: must lie in [0, max_seq_len={self.rope.max_seq_len}), "
+                                 f"got min {start}, max {start + seq - 1}")
+            cos, sin = self.rope.cos[start:start + seq], self.rope.sin[start:start + seq]
+            q, k = self.rope.rotate(q, cos, sin), self.rope.rotate(k, cos, sin)
+        elif self.rope is not None:
             if token_positions is None:
-                start = kv_cache.length(layer_idx) if kv_cache is not None else 0
-                token_positions = torch.arange(start, start + seq, device=x.device)
+                token_positions = torch.arange(seq, device=x.device)
             positions = token_positions.unsqueeze(-2)  # broadcast over the head axis
             q, k = self.rope(q, positions), self.rope(k, positions)
         if kv_cache is not None:
@@ -425,7 +437,8 @@ class MultiHeadSelfAttention(nn.Module):
 
             # the kernel reads grouped K/V heads in place: no repeat, no copy of the transposed views
             return kernels.flash_attention(q, k, v, causal=True)
-        mask = causal_mask(q.shape[-2], k.shape[-2], device=q.device)
+        # one query (a decode step) is the last position and sees every key: no mask to build or apply
+        mask = None if q.shape[-2] == 1 else causal_mask(q.shape[-2], k.shape[-2], device=q.device)
         return grouped_query_attention(q, k, v, mask)
 
 
@@ -462,6 +475,13 @@ class KVCache:
     def length(self, layer_idx: int = 0) -> int:
         """Number of positions cached for ``layer_idx``."""
         return self._lengths[layer_idx]
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` positions of every layer and forget the rest (speculative decoding
+        drops the keys/values of draft tokens the target rejected); later updates overwrite them."""
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= min(self._lengths):
+            raise ValueError(f"length={length!r}: expected an integer in [0, {min(self._lengths)}] (the cached length)")
+        self._lengths = [length] * self.num_layers
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
         """Append ``k, v`` ``[batch, num_kv_heads, new, head_dim]`` to layer ``layer_idx``; return

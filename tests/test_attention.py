@@ -327,6 +327,8 @@ def test_decode_timing_helpers_report_positive_rates():
     rows = decode_speed(model, [2, 4], prompt_len=3, repeats=1)
     assert [r["new_tokens"] for r in rows] == [2, 4]
     assert all(r["cached_tok_s"] > 0 and r["uncached_tok_s"] > 0 and r["speedup"] > 0 for r in rows)
+    # cached: the prompt once, then one position per later step; uncached: the whole prefix at every step
+    assert [(r["cached_positions"], r["uncached_positions"]) for r in rows] == [(3 + 1, 3 + 4), (3 + 3, 3 + 4 + 5 + 6)]
     times = prefill_and_decode_times(model, prompt_len=6, decode_steps=2, repeats=1)
     assert times["prefill_s"] > 0 and times["decode_step_s"] > 0 and times["prefill_tok_s"] > 0
 
