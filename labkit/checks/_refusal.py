@@ -70,6 +70,9 @@ DELEGATES: dict[str, tuple[str, ...]] = {
     "dpo_loss": ("labkit.preference.dpo_loss",),
     "grpo_advantages": ("labkit.preference.grpo_advantages",),
     "k3_kl": ("labkit.preference.kl_estimate", "labkit.preference.grpo_loss"),
+    "speculative_accept": ("labkit.serving.speculative.speculative_accept",),
+    "block_manager": ("labkit.serving.blocks.BlockManager",),
+    "plan_step": ("labkit.serving.scheduler.plan_step",),
     # third-party names (test extras, not dependencies) are skipped where the package is missing; a class is
     # refused through its own Python __init__, so Hugging Face's Rust classes are refused method by method
     "bpe_merge_step": ("labkit.tokenizer.train_bpe", "labkit.tokenizer._merge", "tiktoken._educational.bpe_train",
