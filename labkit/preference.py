@@ -10,8 +10,10 @@ generated, the **true** reward of any response is known, so preference pairs can
 * :func:`make_preference_pairs`: ``(prompt, chosen, rejected)`` pairs for two preferences, ``"correct"``
   (the right answer over a near miss) and ``"concise"`` (no zero padding, a format the adder never writes);
 * :class:`RewardModel`, :func:`bradley_terry_loss`, :func:`preference_accuracy`;
-* :func:`dpo_loss` (with the quantities TRL logs, and label smoothing);
-* :func:`grpo_advantages`, :func:`grpo_loss`, :func:`grpo_step`, :func:`kl_estimate`;
+* :func:`dpo_loss` (with the quantities TRL logs, label smoothing, and IPO);
+* :func:`grpo_advantages`, :func:`grpo_loss` (GRPO and Dr. GRPO), :func:`grpo_step`, :func:`kl_estimate`;
+* :func:`expected_grpo_gradient`, :func:`expected_kl_loss_gradient`: exact expected updates on a small
+  categorical policy (GRPO's length and difficulty weighting; which KL the k3 term's gradient follows);
 * training helpers :func:`train_sft`, :func:`train_reward_model`, :func:`train_dpo`, :func:`train_grpo`
   on :mod:`labkit.train`'s AdamW, clipping and cosine schedule, with a progress bar;
 * :func:`load_early_adder`: the shipped adder's recipe stopped early (:data:`EARLY_STEPS`), a weak
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +42,8 @@ from labkit.runtime import run_seed
 from labkit.train import AdamW, atomic_save, clip_grad_norm, lr_cosine_schedule, train
 
 PREFERENCES = ("correct", "concise")
+DPO_LOSS_TYPES = ("sigmoid", "ipo")  # TRL's names: DPO's -log sigmoid(beta h), IPO's (h - 1/(2 beta))^2
+GRPO_LOSS_TYPES = ("grpo", "dr_grpo")  # TRL's names: per-response token mean, or a constant divisor
 EARLY_ASSET = Path(__file__).parent / "assets" / "early_adder.pt"
 EARLY_STEPS = 1000  # of the adder's 3000-step recipe: it adds some problems right, most wrong
 
@@ -384,15 +389,19 @@ class DPOLoss(NamedTuple):
 
 
 def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
-             ref_rejected_logps: torch.Tensor, beta: float = 0.1, label_smoothing: float = 0.0) -> DPOLoss:
+             ref_rejected_logps: torch.Tensor, beta: float = 0.1, label_smoothing: float = 0.0,
+             loss_type: str = "sigmoid") -> DPOLoss:
     """Direct preference optimisation (Rafailov et al., 2023) on summed response log-probabilities ``[n]``.
 
     The implicit reward of a response is ``beta * (log pi(y|x) - log pi_ref(y|x))``; the loss is the
     Bradley-Terry loss of the implicit rewards, ``-log sigmoid(beta * h)`` with
     ``h = (log pi_c - log pi_ref_c) - (log pi_r - log pi_ref_r)``. With ``label_smoothing = eps`` the
     labels are taken to be wrong with probability ``eps`` (the conservative DPO of Mitchell, 2023, TRL's
-    ``label_smoothing``): ``-(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)``. The reference is a
-    constant: its log-probabilities are detached here, so a reference computed with gradients is never updated.
+    ``label_smoothing``): ``-(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)``. ``loss_type="ipo"``
+    is IPO (Azar et al., 2023, Eq. 17; TRL's ``loss_type="ipo"``): ``(h - 1 / (2 beta))^2``, which is
+    minimised at a finite gap ``h = 1 / (2 beta)`` where DPO's loss only approaches 0 as ``h`` grows without
+    bound. The reference is a constant: its log-probabilities are detached here, so a reference computed with
+    gradients is never updated.
     """
     tensors = (policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)
     if not all(isinstance(t, torch.Tensor) for t in tensors) or len({t.shape for t in tensors}) != 1:
@@ -402,11 +411,17 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
         raise ValueError(f"beta={beta!r}: expected a positive number")
     if not 0.0 <= label_smoothing < 0.5:
         raise ValueError(f"label_smoothing={label_smoothing!r}: expected a probability in [0, 0.5)")
+    if loss_type not in DPO_LOSS_TYPES or (loss_type == "ipo" and label_smoothing):
+        raise ValueError(f"loss_type={loss_type!r}, label_smoothing={label_smoothing!r}: expected a loss_type in "
+                         f"{DPO_LOSS_TYPES}, label smoothing only with 'sigmoid'")
     chosen_logratio = policy_chosen_logps - ref_chosen_logps.detach()
     rejected_logratio = policy_rejected_logps - ref_rejected_logps.detach()
     h = chosen_logratio - rejected_logratio
-    logsigmoid = torch.nn.functional.logsigmoid
-    losses = -(1 - label_smoothing) * logsigmoid(beta * h) - label_smoothing * logsigmoid(-beta * h)
+    if loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:
+        logsigmoid = torch.nn.functional.logsigmoid
+        losses = -(1 - label_smoothing) * logsigmoid(beta * h) - label_smoothing * logsigmoid(-beta * h)
     chosen_rewards, rejected_rewards = beta * chosen_logratio.detach(), beta * rejected_logratio.detach()
     margins = chosen_rewards - rejected_rewards
     return DPOLoss(losses.mean(), chosen_rewards, rejected_rewards, margins, (chosen_rewards > rejected_rewards).float().mean())
@@ -445,17 +460,20 @@ def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor
     return (per_token * mask).sum(dim=1)
 
 
-def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, scale_rewards: bool = True) -> torch.Tensor:
     """Group-normalised advantages: rewards ``[n_prompts * group_size]`` (each prompt's group contiguous),
     ``(r - mean of its group) / (std of its group + eps)`` (sample std, as TRL's GRPOTrainer). A group whose
-    responses all got the same reward has advantage 0: it teaches nothing."""
+    responses all got the same reward has advantage 0: it teaches nothing. ``scale_rewards=False`` leaves out
+    the division by the std (Dr. GRPO, Liu et al. 2025; TRL's ``scale_rewards=False``): ``r - mean``."""
     if not isinstance(group_size, int) or group_size < 2:
         raise ValueError(f"group_size={group_size!r}: expected an integer >= 2 (a group needs a comparison)")
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards: expected a 1-D tensor whose length is a multiple of group_size={group_size}, "
                          f"got shape {tuple(rewards.shape)}")
     groups = rewards.float().view(-1, group_size)
-    advantages = (groups - groups.mean(dim=1, keepdim=True)) / (groups.std(dim=1, keepdim=True) + eps)
+    advantages = groups - groups.mean(dim=1, keepdim=True)
+    if scale_rewards:
+        advantages = advantages / (groups.std(dim=1, keepdim=True) + eps)
     return advantages.reshape(-1)
 
 
@@ -466,16 +484,21 @@ class GRPOLoss(NamedTuple):
 
 
 def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor,
-              advantages: torch.Tensor, beta: float = 0.04, clip: float = 0.2) -> GRPOLoss:
+              advantages: torch.Tensor, beta: float = 0.04, clip: float = 0.2, loss_type: str = "grpo") -> GRPOLoss:
     """DeepSeekMath's GRPO objective, negated: per token ``min(rho A, clip(rho, 1 - clip, 1 + clip) A) -
     beta * k3``, with ``rho = pi / pi_old`` and the k3 KL to the reference (:func:`kl_estimate`), averaged
-    over each response's tokens, then over responses. ``logps`` ``[n, T]`` carries the gradient;
-    ``old_logps`` (the sampling policy) and ``ref_logps`` are constants."""
+    over each response's tokens, then over responses (``loss_type="grpo"``: a response of ``|o|`` tokens
+    weighs each of its tokens by ``1 / |o|``). ``loss_type="dr_grpo"`` (Dr. GRPO, Liu et al. 2025, as
+    TRL's): the per-token terms summed and divided by a constant, ``n * T`` (``T``, the padded width, is
+    the most tokens a response may have), so every token weighs the same whatever its response's length.
+    ``logps`` ``[n, T]`` carries the gradient; ``old_logps`` (the sampling policy) and ``ref_logps`` are constants."""
     if not (logps.shape == old_logps.shape == ref_logps.shape == mask.shape) or advantages.shape != logps.shape[:1]:
         raise ValueError(f"logps, old_logps, ref_logps, mask: expected one shape [n, T] and advantages [n], got "
                          f"{[tuple(t.shape) for t in (logps, old_logps, ref_logps, mask, advantages)]}")
     if not 0 < clip < 1 or beta < 0:
         raise ValueError(f"clip={clip!r}, beta={beta!r}: expected 0 < clip < 1 and beta >= 0")
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r}: expected one of {GRPO_LOSS_TYPES}")
     mask = mask.float()
     ratio = torch.exp(logps - old_logps.detach())
     adv = advantages.detach()[:, None]
@@ -483,8 +506,10 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.Ten
     log_ratio_ref = ref_logps.detach() - logps
     k3 = torch.exp(log_ratio_ref) - log_ratio_ref - 1
     per_token = surrogate - beta * k3
-    lengths = mask.sum(dim=1).clamp_min(1)
-    loss = -((per_token * mask).sum(dim=1) / lengths).mean()
+    if loss_type == "grpo":
+        loss = -((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1)).mean()
+    else:
+        loss = -(per_token * mask).sum() / mask.numel()
     clipped = ((ratio - ratio.clamp(1 - clip, 1 + clip)).abs() > 0).float()
     tokens = mask.sum().clamp_min(1)
     return GRPOLoss(loss, ((k3 * mask).sum() / tokens).detach(), ((clipped * mask).sum() / tokens).detach())
@@ -493,17 +518,18 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.Ten
 def grpo_step(policy: nn.Module, ref: nn.Module, prompts: torch.Tensor, reward_fn: Callable, group_size: int,
               beta: float = 0.04, clip: float = 0.2, *, optimizer: torch.optim.Optimizer, task: ArithmeticTask,
               updates: int = 1, temperature: float = 1.0, generator: torch.Generator | None = None,
-              grad_clip: float = 1.0) -> dict:
+              grad_clip: float = 1.0, loss_type: str = "grpo", scale_rewards: bool = True) -> dict:
     """One GRPO iteration: sample ``group_size`` responses per prompt from ``policy`` (the old policy),
     score them with ``reward_fn(prompt_ids, response_ids, response_mask)``, normalise the rewards within
     each group (:func:`grpo_advantages`), then take ``updates`` optimizer steps on :func:`grpo_loss` (with
-    ``updates > 1`` the ratio moves away from 1 and the clip matters). Returns the step's mean reward,
+    ``updates > 1`` the ratio moves away from 1 and the clip matters; ``loss_type="dr_grpo"`` with
+    ``scale_rewards=False`` is Dr. GRPO). Returns the step's mean reward,
     loss, k3 KL per token, clip fraction and the fraction of groups that carried any signal."""
     _check_ids("prompts", prompts)
     prompt_ids = prompts.repeat_interleave(group_size, dim=0)
     response_ids, mask = sample_responses(policy, prompt_ids, task, temperature, generator)
     rewards = reward_fn(prompt_ids, response_ids, mask).float()
-    advantages = grpo_advantages(rewards, group_size)
+    advantages = grpo_advantages(rewards, group_size, scale_rewards=scale_rewards)
     with torch.no_grad():
         old_logps = token_logprobs(policy, prompt_ids, response_ids, mask)
         ref_logps = token_logprobs(ref, prompt_ids, response_ids, mask)
@@ -511,7 +537,7 @@ def grpo_step(policy: nn.Module, ref: nn.Module, prompts: torch.Tensor, reward_f
     policy.train()
     for _ in range(updates):
         logps = token_logprobs(policy, prompt_ids, response_ids, mask)
-        out = grpo_loss(logps, old_logps, ref_logps, mask, advantages, beta, clip)
+        out = grpo_loss(logps, old_logps, ref_logps, mask, advantages, beta, clip, loss_type)
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         clip_grad_norm(params, grad_clip)
@@ -531,6 +557,67 @@ def kl_to_reference(policy: nn.Module, ref: nn.Module, task: ArithmeticTask, spl
     prompts = encode_prompts(task, task.pairs(split)[:max_examples], device).repeat_interleave(samples, 0)
     ids, mask = sample_responses(policy, prompts, task, 1.0, torch.Generator().manual_seed(seed))
     return kl_estimate(token_logprobs(policy, prompts, ids, mask), token_logprobs(ref, prompts, ids, mask), mask, estimator).mean().item()
+
+
+def _multisets(size: int, kinds: int):
+    """Every way to draw ``size`` items of ``kinds`` kinds, as count vectors (order does not matter)."""
+    if kinds == 1:
+        yield (size,)
+        return
+    for first in range(size, -1, -1):
+        for rest in _multisets(size - first, kinds - 1):
+            yield (first, *rest)
+
+
+def expected_grpo_gradient(logits: torch.Tensor, rewards, lengths, group_size: int, *, loss_type: str = "grpo",
+                           scale_rewards: bool = True) -> torch.Tensor:
+    """The exact expected gradient, with respect to ``logits`` ``[K]``, of GRPO's objective (``-``
+    :func:`grpo_loss` at the sampling policy, ``rho = 1``, ``beta = 0``) for a policy that picks one of ``K``
+    whole responses: response ``k`` has reward ``rewards[k]`` and ``lengths[k]`` tokens; its first token
+    carries the choice, ``log softmax(logits)[k]``, and the rest follow with probability 1. The expectation
+    over groups of ``group_size`` samples is a sum over every multiset of responses, weighted by its
+    multinomial probability, so it is exact, not sampled. For comparison, the gradient of the expected reward
+    ``J = sum_k pi_k r_k`` is ``pi * (r - J)``."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 1:
+        shape = tuple(getattr(logits, "shape", ()))
+        raise TypeError(f"logits: expected a 1-D tensor [K], got {type(logits).__name__} {shape}")
+    rewards, lengths = torch.as_tensor(rewards, dtype=torch.float64), torch.as_tensor(lengths, dtype=torch.long)
+    if rewards.shape != logits.shape or lengths.shape != logits.shape or bool((lengths < 1).any()):
+        raise ValueError(f"rewards, lengths: expected one reward and a length >= 1 per response ({logits.numel()}), "
+                         f"got {tuple(rewards.shape)} and {lengths.tolist()}")
+    theta = logits.detach().double().requires_grad_(True)
+    logp = torch.log_softmax(theta, dim=-1)
+    counts = torch.tensor(list(_multisets(group_size, logits.numel())), dtype=torch.float64)  # [groups, K]
+    probability = torch.exp(math.lgamma(group_size + 1) - torch.lgamma(counts + 1).sum(dim=1)
+                            + (counts * logp.detach()).sum(dim=1))  # multinomial
+    chosen = torch.repeat_interleave(torch.arange(logits.numel()).repeat(len(counts)), counts.reshape(-1).long())
+    width = int(lengths.max())
+    token_logps = torch.nn.functional.pad(logp[chosen, None], (0, width - 1))  # the choice, then certain tokens
+    mask = torch.arange(width)[None] < lengths[chosen, None]
+    advantages = grpo_advantages(rewards[chosen], group_size, scale_rewards=scale_rewards).double()
+    # One grpo_loss over all groups averages them uniformly; at rho = 1 and beta = 0 each group's term is
+    # linear in its (constant) advantages, so scaling them by the group's probability times the number of
+    # groups turns that average into the expectation.
+    weighted = advantages * (probability * len(counts)).repeat_interleave(group_size)
+    out = grpo_loss(token_logps, token_logps.detach(), token_logps.detach(), mask, weighted, beta=0.0, loss_type=loss_type)
+    return torch.autograd.grad(-out.loss, theta)[0]
+
+
+def expected_kl_loss_gradient(logits: torch.Tensor, ref_logits: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """The exact expected gradient, with respect to ``logits`` ``[..., V]``, of a KL estimator used *as a loss*
+    the way GRPO uses k3: ``E_{y ~ pi}[grad kl_estimate(log pi(y), log pi_ref(y))]``, the samples' weights not
+    differentiated (they are drawn, not computed). Summed over the vocabulary, float64. Tang & Munos (2025):
+    for ``"k3"`` this is the gradient of ``KL(pi_ref || pi)``, not of ``KL(pi || pi_ref)``; for ``"k2"`` it is
+    that of ``KL(pi || pi_ref)``; for ``"k1"`` it is 0."""
+    if not isinstance(logits, torch.Tensor) or not isinstance(ref_logits, torch.Tensor) or logits.shape != ref_logits.shape:
+        raise ValueError(f"logits, ref_logits: expected two tensors of one shape [..., V], got "
+                         f"{tuple(getattr(logits, 'shape', ()))} and {tuple(getattr(ref_logits, 'shape', ()))}")
+    theta = logits.detach().double().requires_grad_(True)
+    logp = torch.log_softmax(theta, dim=-1)
+    ref_logp = torch.log_softmax(ref_logits.detach().double(), dim=-1)
+    every_token = torch.ones(logp.numel(), 1, dtype=torch.bool)
+    per_token = kl_estimate(logp.reshape(-1, 1), ref_logp.reshape(-1, 1), every_token, estimator).view_as(logp)
+    return torch.autograd.grad((logp.detach().exp() * per_token).sum(), theta)[0]
 
 
 # ============================================================================ training helpers
@@ -618,13 +705,14 @@ def train_reward_model(reward_model: RewardModel, pairs: PreferencePairs, steps:
 
 
 def train_dpo(policy: nn.Module, ref: nn.Module, pairs: PreferencePairs, steps: int = 100, lr: float = 1e-4,
-              beta: float = 0.1, batch_size: int = 64, *, label_smoothing: float = 0.0, nll_weight: float = 0.0,
-              evaluate: Callable[[int], dict] | None = None, eval_every: int = 0, seed: int = 0,
+              beta: float = 0.1, batch_size: int = 64, *, label_smoothing: float = 0.0, loss_type: str = "sigmoid",
+              nll_weight: float = 0.0, evaluate: Callable[[int], dict] | None = None, eval_every: int = 0, seed: int = 0,
               progress: bool = True) -> dict:
-    """DPO of ``policy`` against the frozen ``ref`` on ``pairs``. The reference log-probabilities of every
-    pair are computed once, without gradients. ``nll_weight > 0`` adds that times the chosen responses'
-    per-token negative log-likelihood (RPO, Pang et al. 2024; TRL's ``rpo_alpha``), which keeps DPO from
-    lowering the chosen responses along with the rejected ones. Logs per step the loss and TRL's quantities
+    """DPO (or with ``loss_type="ipo"`` IPO, :func:`dpo_loss`) of ``policy`` against the frozen ``ref`` on
+    ``pairs``. The reference log-probabilities of every pair are computed once, without gradients.
+    ``nll_weight > 0`` adds that times the chosen responses' per-token negative log-likelihood (RPO, Pang et
+    al. 2024; TRL's ``rpo_alpha``), which keeps DPO from lowering the chosen responses along with the rejected
+    ones. Logs per step the loss and TRL's quantities
     (mean chosen and rejected implicit rewards, margin, accuracy) and the policy's mean log-probabilities of
     the chosen and rejected responses. The quantities are those of the batch before the step's update, so
     while the policy still equals the reference (the first step, and the second: the warm-up's first
@@ -638,7 +726,7 @@ def train_dpo(policy: nn.Module, ref: nn.Module, pairs: PreferencePairs, steps: 
     def step_loss(step):
         index = draw()
         chosen, rejected = pair_logprobs(policy, pairs.subset(index))
-        out = dpo_loss(chosen, rejected, ref_chosen[index], ref_rejected[index], beta, label_smoothing)
+        out = dpo_loss(chosen, rejected, ref_chosen[index], ref_rejected[index], beta, label_smoothing, loss_type)
         loss = out.loss
         if nll_weight:
             loss = loss - nll_weight * (chosen / pairs.chosen_mask[index].sum(dim=1)).mean()
@@ -646,7 +734,8 @@ def train_dpo(policy: nn.Module, ref: nn.Module, pairs: PreferencePairs, steps: 
                           "margin": out.margins.mean(), "accuracy": _wins_ties_half(out.margins),
                           "chosen_logp": chosen.detach().mean(), "rejected_logp": rejected.detach().mean()}
 
-    log = _fit(_trainable(policy), steps, lr, step_loss, desc=f"DPO beta={beta:g}", evaluate=evaluate,
+    name = "IPO" if loss_type == "ipo" else "DPO"
+    log = _fit(_trainable(policy), steps, lr, step_loss, desc=f"{name} beta={beta:g}", evaluate=evaluate,
                eval_every=eval_every, progress=progress)
     policy.eval()
     return log
@@ -659,11 +748,13 @@ def _wins_ties_half(margins: torch.Tensor) -> torch.Tensor:
 
 def train_grpo(policy: nn.Module, ref: nn.Module, task: ArithmeticTask, reward_fn: Callable, steps: int = 50,
                prompts_per_step: int = 16, group_size: int = 8, lr: float = 1e-4, beta: float = 0.04, clip: float = 0.2,
-               *, updates: int = 1, evaluate: Callable[[int], dict] | None = None, eval_every: int = 10, seed: int = 0,
+               *, updates: int = 1, loss_type: str = "grpo", scale_rewards: bool = True,
+               evaluate: Callable[[int], dict] | None = None, eval_every: int = 10, seed: int = 0,
                progress: bool = True) -> dict:
     """GRPO: ``steps`` calls of :func:`grpo_step` on prompts drawn from ``task``'s training split (seeded),
-    constant learning rate. Logs per step the mean sampled reward, loss, KL per token, clip fraction and
-    informative-group fraction; ``evaluate(step)`` every ``eval_every`` steps (and at 0 and the end)."""
+    constant learning rate (``loss_type``, ``scale_rewards``: see :func:`grpo_step`). Logs per step the mean
+    sampled reward, loss, KL per token, clip fraction and informative-group fraction; ``evaluate(step)`` every
+    ``eval_every`` steps (and at 0 and the end)."""
     if not isinstance(steps, int) or steps <= 0:
         raise ValueError(f"steps={steps!r}: expected a positive integer")
     device = next(policy.parameters()).device
@@ -685,7 +776,7 @@ def train_grpo(policy: nn.Module, ref: nn.Module, task: ArithmeticTask, reward_f
     for step in tqdm(range(steps), desc=f"GRPO beta={beta:g}", disable=not progress):
         prompts = encode_prompts(task, operands[draw().numpy()], device)
         stats = grpo_step(policy, ref, prompts, reward_fn, group_size, beta, clip, optimizer=optimizer, task=task,
-                          updates=updates, generator=generator)
+                          updates=updates, generator=generator, loss_type=loss_type, scale_rewards=scale_rewards)
         log["step"].append(step + 1)
         for k, v in stats.items():
             log.setdefault(k, []).append(v)
