@@ -359,6 +359,14 @@ def experiment_config(vocab_size: int, d_ff: int = 32, moe: MoEConfig | None = N
     return ModelConfig(vocab_size=vocab_size, d_ff=d_ff, moe=moe, **{**EXPERIMENT_MODEL, **overrides})
 
 
+def experiment_moe(num_experts: int, top_k: int, **options) -> MoEConfig:
+    """The experiments' :class:`MoEConfig`: top-1 keeps Switch's unnormalised gate (the chosen
+    expert's probability), top-``k`` renormalises the ``k`` gates as Mixtral does. Renormalised, a
+    single gate is ``p / p = 1`` for every token, so the language-model loss would send the router
+    no gradient and only a balancing loss would train it. ``options``: the other fields."""
+    return MoEConfig(num_experts=num_experts, top_k=top_k, normalize_gates=top_k > 1, **options)
+
+
 def _train_config(steps: int | None) -> TrainConfig:
     if steps is None:
         return EXPERIMENT_TRAIN
@@ -406,7 +414,7 @@ def dense_vs_moe(num_experts: int = 8, top_k: int = 2, d_ff: int = 32, steps: in
     data = task.tokens("train")
     expert_d_ff = d_ff // top_k
     variants = {"dense": (experiment_config(task.vocab_size, d_ff), ffn_flops_per_token(EXPERIMENT_MODEL["d_model"], d_ff)),
-                "moe": (experiment_config(task.vocab_size, d_ff, MoEConfig(num_experts=num_experts, top_k=top_k, d_ff=expert_d_ff)),
+                "moe": (experiment_config(task.vocab_size, d_ff, experiment_moe(num_experts, top_k, d_ff=expert_d_ff)),
                         ffn_flops_per_token(EXPERIMENT_MODEL["d_model"], expert_d_ff, num_experts, top_k))}
     results = {}
     for name, (config, flops) in variants.items():
@@ -444,7 +452,7 @@ def balancing_experiment(strategies=tuple(BALANCING), num_experts: int = 8, top_
     data = task.tokens("train")
     results = {}
     for name in strategies:
-        config = experiment_config(task.vocab_size, d_ff, MoEConfig(num_experts=num_experts, top_k=top_k, **BALANCING[name]))
+        config = experiment_config(task.vocab_size, d_ff, experiment_moe(num_experts, top_k, **BALANCING[name]))
         utilisation = []
         holder = {}
 
@@ -535,7 +543,7 @@ def specialisation_experiment(num_experts: int = 4, top_k: int = 1, steps: int |
     analysis (Jiang et al. 2024, section 5), expect routing to follow tokens much more than topics."""
     task = experiment_task()
     data = task.tokens("train")
-    config = experiment_config(task.vocab_size, d_ff, MoEConfig(num_experts=num_experts, top_k=top_k))
+    config = experiment_config(task.vocab_size, d_ff, experiment_moe(num_experts, top_k))
     model, history = _train_model(config, data, steps, seed)
     routing = routing_by_op(model, task)
     answers = routing_by_op(model, task, answers_only=True)
@@ -576,7 +584,7 @@ def capacity_experiment(capacity_factors=(0.25, 0.5, 0.75, 1.0, 1.25, 2.0, None)
     task = experiment_task()
     data = task.tokens("train")
     if model is None:
-        config = experiment_config(task.vocab_size, 32, MoEConfig(num_experts=num_experts, top_k=top_k, d_ff=32 // top_k))
+        config = experiment_config(task.vocab_size, 32, experiment_moe(num_experts, top_k, d_ff=32 // top_k))
         model, _ = _train_model(config, data, steps, seed)
     layers = moe_layers(model)
     if not layers:

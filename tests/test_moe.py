@@ -452,6 +452,30 @@ def test_mixed_task_labels_every_token_with_its_op():
     assert {len(task.examples(s)) for s in ("train",)} == {3 * len(task.tasks[0].pairs("train"))}
 
 
+def router_grad_norms_from_lm_loss(normalize_gates: bool) -> list[float]:
+    """Each MoE layer's router-weight gradient norm from the cross-entropy alone (no balancing loss), top-1."""
+    from labkit.train import cross_entropy
+
+    task = moe.experiment_task()
+    torch.manual_seed(0)
+    config = moe.experiment_config(task.vocab_size, 32, MoEConfig(num_experts=8, top_k=1, normalize_gates=normalize_gates,
+                                                                  aux_loss_weight=0.0))
+    model = TransformerLM(config)
+    (x, y), = moe.fixed_batches(task.tokens("train"), batches=1, batch_size=8)
+    cross_entropy(model(x), y).backward()
+    return [float(m.router.weight.grad.norm()) for m in moe_layers(model)]
+
+
+def test_top1_router_learns_from_the_lm_loss_only_with_switchs_unnormalised_gate():
+    # renormalised, a single gate is p / p = 1 whatever the logits: the LM loss reaches the router only through
+    # the gate's value, so it sends (up to rounding) nothing
+    switch, renormalised = router_grad_norms_from_lm_loss(False), router_grad_norms_from_lm_loss(True)
+    assert min(switch) > 1e-3, switch
+    assert max(renormalised) < 1e-6 * min(switch), (renormalised, switch)
+    # so the chapter's top-1 experiments keep the gate, its top-k ones renormalise
+    assert moe.experiment_moe(8, 1).normalize_gates is False and moe.experiment_moe(8, 2).normalize_gates is True
+
+
 def test_experiment_helpers_return_what_the_chapter_plots():
     d = moe.dense_vs_moe(steps=3)
     assert d["dense"]["ffn_flops_per_token"] <= d["moe"]["ffn_flops_per_token"] <= 1.1 * d["dense"]["ffn_flops_per_token"]
@@ -460,9 +484,11 @@ def test_experiment_helpers_return_what_the_chapter_plots():
     b = moe.balancing_experiment(steps=3)
     assert set(b) == set(moe.BALANCING)
     for r in b.values():
+        assert not any(m.normalize_gates for m in moe_layers(r["model"]))  # top-1: Switch's gate
         assert r["utilisation"].shape == (3, 8)
         torch.testing.assert_close(r["utilisation"].sum(1), torch.ones(3))
     s = moe.specialisation_experiment(steps=3)
+    assert not any(m.normalize_gates for m in moe_layers(s["model"]))
     assert s["routing"].shape == (2, 3, 4) and len(s["specialisation"]) == 2
     assert s["routing_by_token"].shape == (2, 15, 4) and len(s["token_specialisation"]) == 2 and len(s["vocab"]) == 15
     torch.testing.assert_close(s["routing_answers"].sum(-1), torch.ones(2, 3))
