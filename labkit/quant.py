@@ -67,10 +67,11 @@ class QuantizedTensor:
     axis: int
     shape: torch.Size
     dtype: torch.dtype
+    full_range: bool = False
 
     @property
     def code_range(self) -> tuple[int, int]:
-        return code_range(self.bits, self.symmetric)
+        return code_range(self.bits, self.symmetric, self.full_range)
 
     def levels(self, group_index: tuple[int, ...] = ()) -> torch.Tensor:
         """Every value the codes of one group can represent (fp32, ascending); ``group_index``
@@ -80,16 +81,17 @@ class QuantizedTensor:
         return self.scale[group_index] * (torch.arange(qmin, qmax + 1, dtype=torch.float32, device=self.scale.device) - zero)
 
 
-def code_range(bits: int, symmetric: bool) -> tuple[int, int]:
-    """``(qmin, qmax)``: ``(-(2^(b-1) - 1), 2^(b-1) - 1)`` symmetric, ``(0, 2^b - 1)`` asymmetric."""
+def code_range(bits: int, symmetric: bool, full_range: bool = False) -> tuple[int, int]:
+    """``(qmin, qmax)``: ``(-(2^(b-1) - 1), 2^(b-1) - 1)`` symmetric (``-2^(b-1)`` as qmin with
+    ``full_range``), ``(0, 2^b - 1)`` asymmetric."""
     _check_bits(bits)
     if symmetric:
-        return -(2 ** (bits - 1) - 1), 2 ** (bits - 1) - 1
+        return -(2 ** (bits - 1) - int(not full_range)), 2 ** (bits - 1) - 1
     return 0, 2**bits - 1
 
 
 def quantize(x: torch.Tensor, bits: int, symmetric: bool = True, granularity: str = "tensor",
-             group_size: int | None = None, axis: int = -1) -> QuantizedTensor:
+             group_size: int | None = None, axis: int = -1, full_range: bool = False) -> QuantizedTensor:
     """Round-to-nearest uniform quantization of ``x`` to ``bits``-bit integer codes.
 
     Convention: ``x ~ scale * (q - zero_point)``; each group of values shares one scale.
@@ -103,6 +105,10 @@ def quantize(x: torch.Tensor, bits: int, symmetric: bool = True, granularity: st
       by the absmax, ``|x / scale| <= 2^(b-1) - 1`` already, and keeping the grid symmetric means
       ``-x`` quantizes to exactly ``-q`` (the "restricted range" of TensorRT's symmetric int8,
       and LLM.int8()'s ``127 / absmax``). It costs 1 of ``2^b`` levels: at 4 bits, 15 of 16.
+      ``full_range=True`` (symmetric only) keeps that level instead, as torch.ao's observers and
+      torchao's ``MappingType.SYMMETRIC`` do: ``scale = absmax / (2^(b-1) - 1/2)`` (half of the
+      ``2^b - 1`` steps from ``-2^(b-1)`` to ``2^(b-1) - 1``), codes in ``[-2^(b-1), 2^(b-1) - 1]``;
+      ``+absmax`` then rounds to ``2^(b-1)`` and is clipped to ``2^(b-1) - 1``, ``-absmax`` is exact.
     * **asymmetric**: the range ``[lo, hi] = [min(x, 0), max(x, 0)]`` is split into ``2^b - 1``
       steps, ``scale = (hi - lo) / (2^b - 1)``, and ``zero_point = round(-lo / scale)`` clamped
       to ``[0, 2^b - 1]``: an integer, so 0.0 is represented exactly (zero padding, ReLU
@@ -118,13 +124,17 @@ def quantize(x: torch.Tensor, bits: int, symmetric: bool = True, granularity: st
     of its dequantized value (up to fp32 rounding). ``bits``: 2 to 8.
     """
     x32, axis = _check_quantize_args(x, bits, granularity, group_size, axis)
+    if not isinstance(full_range, bool) or (full_range and not symmetric):
+        raise ValueError(f"full_range={full_range!r}: expected a bool, True only with symmetric=True "
+                         "(asymmetric codes always use all 2^bits levels)")
     grouped = _grouped(x32, granularity, group_size, axis)
-    scale, zero = _scale_and_zero(grouped, bits, symmetric)
-    codes = _encode(grouped, scale[..., None], None if zero is None else zero[..., None], bits, symmetric)
+    scale, zero = _scale_and_zero(grouped, bits, symmetric, full_range)
+    codes = _encode(grouped, scale[..., None], None if zero is None else zero[..., None], bits, symmetric, full_range)
     codes = _ungrouped(codes, granularity, axis, x.shape)
     scale, zero = (_group_stat_layout(t, granularity, axis) for t in (scale, zero))
     return QuantizedTensor(codes, scale, None if symmetric else zero.to(torch.uint8), bits, symmetric,
-                           granularity, group_size if granularity == "group" else None, axis, x.shape, x.dtype)
+                           granularity, group_size if granularity == "group" else None, axis, x.shape, x.dtype,
+                           full_range)
 
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -212,11 +222,12 @@ def _grouped_stat(stat: torch.Tensor, granularity: str, axis: int) -> torch.Tens
     return stat.reshape(1) if granularity == "tensor" else stat.movedim(axis, -1)
 
 
-def _scale_and_zero(groups: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _scale_and_zero(groups: torch.Tensor, bits: int, symmetric: bool,
+                    full_range: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scale (and zero point, as an fp32 integer) of each group: statistics over the last dim."""
-    qmin, qmax = code_range(bits, symmetric)
+    qmin, qmax = code_range(bits, symmetric, full_range)
     if symmetric:
-        scale = groups.abs().amax(dim=-1) / qmax
+        scale = groups.abs().amax(dim=-1) / ((qmax - qmin) / 2)  # qmax, or qmax + 1/2 with the full range
     else:
         lo = groups.amin(dim=-1).clamp(max=0.0)  # the range always contains 0
         hi = groups.amax(dim=-1).clamp(min=0.0)
@@ -228,9 +239,10 @@ def _scale_and_zero(groups: torch.Tensor, bits: int, symmetric: bool) -> tuple[t
     return scale, zero
 
 
-def _encode(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, symmetric: bool) -> torch.Tensor:
+def _encode(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, symmetric: bool,
+            full_range: bool = False) -> torch.Tensor:
     """``clamp(round(values * (1 / scale)) + zero, qmin, qmax)`` as int8 (symmetric) or uint8 codes."""
-    qmin, qmax = code_range(bits, symmetric)
+    qmin, qmax = code_range(bits, symmetric, full_range)
     codes = torch.round(values * (1.0 / scale))
     if zero is not None:
         codes = codes + zero

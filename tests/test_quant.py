@@ -681,3 +681,88 @@ def test_a_grid_past_the_largest_float_saturates(dtype):
     assert q.levels().abs().max() > largest
     assert torch.isfinite(Q.dequantize(q)).all()
     assert_within_half_a_step(x, q)
+
+
+# ----------------------------------------------------------------------------- the full symmetric range, torchao
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_full_range_uses_the_lowest_code_and_a_half_step_larger_divisor(bits):
+    weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+    q = Q.quantize(weight, bits, True, "group", 32, full_range=True)
+    half = 2 ** (bits - 1)
+    assert q.code_range == (-half, half - 1)
+    assert torch.equal(q.scale, weight.reshape(16, 2, 32).abs().amax(-1) / (half - 0.5))
+    assert q.codes.min() >= -half and q.codes.max() <= half - 1
+    assert len(q.levels((0, 0))) == 2**bits
+    # every value within half a step, except +absmax, which is clipped by half a step to the top level
+    per_value = q.scale.repeat_interleave(32, dim=1)
+    assert ((Q.dequantize(q) - weight).abs() <= per_value * (0.5 + 1e-4)).all()  # fp32 rounding near 2^(b-1) steps
+    default = Q.quantize(weight, bits, True, "group", 32)
+    assert default.full_range is False and default.code_range == (-(half - 1), half - 1)
+
+
+def test_full_range_is_symmetric_only_and_a_bool():
+    x = torch.randn(8)
+    with pytest.raises(ValueError, match="full_range"):
+        Q.quantize(x, 4, symmetric=False, full_range=True)
+    with pytest.raises(ValueError, match="full_range"):
+        Q.quantize(x, 4, full_range=1)
+
+
+def test_8bit_full_range_codes_equal_torch_quantize_per_channel():
+    weight = torch.randn(48, 80, generator=torch.Generator().manual_seed(2)) * torch.rand(48, 1) * 4
+    q = Q.quantize(weight, 8, True, "channel", full_range=True)
+    with torch_quantize_ops():
+        theirs = torch.quantize_per_channel(weight, q.scale[:, 0].double(), torch.zeros(48, dtype=torch.long), 0, torch.qint8)
+    assert torch.equal(theirs.int_repr(), q.codes)
+
+
+def _torchao():
+    torchao_quantization = pytest.importorskip("torchao.quantization")
+    from torchao.quantization.granularity import PerGroup
+    return torchao_quantization, PerGroup
+
+
+def _torchao_weight(weight, config):
+    torchao_quantization, _ = _torchao()
+    layer = torch.nn.Sequential(torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False))
+    layer[0].weight.data = weight.clone()
+    torchao_quantization.quantize_(layer, config)
+    return layer
+
+
+@pytest.mark.parametrize("bits, symmetric, group", [(8, True, None), (4, True, 32), (4, False, 32), (8, False, 16)])
+def test_torchao_weight_only_codes_equal_labkit(adder, bits, symmetric, group):
+    """torchao's weight-only configs on the adder's layer: the codes of Q.quantize (full range when symmetric,
+    asymmetric codes shifted by 2^(b-1) because torchao stores them signed), scales equal up to fp32 rounding,
+    and the quantized layer computes x times labkit's dequantized weight."""
+    ao, PerGroup = _torchao()
+    model, _, calibration = adder
+    weight = model.layers[0].ffn.w1.weight.detach().cpu()
+    x = Q.capture_linear_inputs(model, calibration, names=["layers.0.ffn.w1"])["layers.0.ffn.w1"].cpu()
+    mapping = ao.MappingType.SYMMETRIC if symmetric else ao.MappingType.ASYMMETRIC
+    if group is None:
+        config = ao.Int8WeightOnlyConfig()
+    else:
+        config = ao.IntxWeightOnlyConfig(weight_dtype=getattr(torch, f"int{bits}"), granularity=PerGroup(group), mapping_type=mapping)
+    layer = _torchao_weight(weight, config)
+    theirs = layer[0].weight
+    ours = Q.quantize(weight, bits, symmetric, "channel" if group is None else "group", group, full_range=symmetric)
+    shift = 0 if symmetric else 2 ** (bits - 1)
+    assert torch.equal(theirs.qdata.int() + shift, ours.codes.int())
+    assert torch.allclose(theirs.scale.reshape(ours.scale.shape), ours.scale, rtol=1e-6, atol=0)
+    if not symmetric:
+        assert torch.equal(theirs.zero_point.reshape(ours.zero_point.shape).int() + shift, ours.zero_point.int())
+    with torch.no_grad():
+        out = layer(x)
+    assert (out - x @ Q.dequantize(ours).T).abs().max() <= 1e-5 * out.abs().max()
+    if symmetric:  # labkit's default, the restricted range, is a different grid
+        assert not torch.equal(theirs.qdata, Q.quantize(weight, bits, True, "channel" if group is None else "group", group).codes)
+
+
+def test_torchao_int4_weight_only_config_needs_a_gpu_library_on_cpu():
+    """Int4WeightOnlyConfig's default packing needs mslk's GPU kernels: on a CPU-only machine it refuses."""
+    ao, _ = _torchao()
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises((ImportError, NotImplementedError, AssertionError, RuntimeError)):
+        _torchao_weight(torch.randn(16, 64), ao.Int4WeightOnlyConfig(group_size=32))
