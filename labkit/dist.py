@@ -534,7 +534,8 @@ class CommMeter:
     name (``isend`` counts as ``send``, ``all_gather_into_tensor`` as ``all_gather``, ...):
     ``calls[op]``, ``bytes[op]`` (the size of the tensor argument: see
     :func:`collective_bytes_sent`) and ``sent[op]`` (what the ring algorithm makes this rank send).
-    ``events`` lists ``(op, bytes)`` in call order. Code that calls the collectives through
+    ``events`` lists ``(op, bytes)`` in call order, and ``times[i]`` is ``time.perf_counter()`` when
+    ``events[i]`` was called (chapter 07 places DDP's all-reduces on backward's timeline with it). Code that calls the collectives through
     ``torch.distributed`` (labkit's, chapter 04's expert parallelism) is seen; DTensor's functional
     collectives are not (count those with ``torch.distributed.tensor.debug.CommDebugMode``).
     """
@@ -544,6 +545,7 @@ class CommMeter:
         self.bytes: Counter = Counter()
         self.sent: Counter = Counter()
         self.events: list[tuple[str, int]] = []
+        self.times: list[float] = []
         self._saved: dict = {}
 
     def _wrap(self, name: str, original):
@@ -562,6 +564,7 @@ class CommMeter:
             else:
                 self.sent[kind] += collective_bytes_sent(kind, nbytes, world)
             self.events.append((kind, nbytes))
+            self.times.append(time.perf_counter())
             return original(*args, **kwargs)
 
         metered.__wrapped__ = original

@@ -190,6 +190,55 @@ def gradient_accumulation(rank: int, world_size: int, micro_batches: int = 4, gl
     return out
 
 
+def ddp_overlap(rank: int, world_size: int, bucket_sizes_mb=(0.002, 0.01, 1.0), global_batch: int = 8, seq_len: int = 16,
+                seed: int = 0) -> dict:
+    """One backward under :class:`DDPBucketed` per bucket size (after one warm-up step), placed on a timeline:
+    when each parameter's gradient arrived (a post-accumulate-grad hook that runs before DDPBucketed's), when
+    each bucket's asynchronous all-reduce was called (:class:`CommMeter`'s ``times``), when ``backward()``
+    returned, and how many all-reduces gloo had already finished by then. Per bucket size: ``bucket_bytes``
+    (in the plan's order), ``grads_after_launch`` (how many gradients backward still produced after each
+    bucket's last one, i.e. after its all-reduce was called: the compute it can overlap), the all-reduce
+    calls' bytes in call order, and times in ms from the start of backward."""
+    import time
+
+    from labkit.train import cross_entropy
+
+    base, x, y = _toy_setup(seed, global_batch, seq_len)
+    local = _local_slice(rank, world_size, global_batch)
+    out = {}
+    for bucket_mb in bucket_sizes_mb:
+        model = copy.deepcopy(base)
+        params = list(model.parameters())
+        index = {id(p): i for i, p in enumerate(params)}
+        arrivals: list[tuple[int, float]] = []
+        for i, p in enumerate(params):  # registered first, so it runs before DDPBucketed's hook may call the all-reduce
+            p.register_post_accumulate_grad_hook(lambda _, i=i: arrivals.append((i, time.perf_counter())))
+        ddp = DDPBucketed(model, bucket_mb)
+        for _ in range(2):  # the first backward warms up; the second is the one recorded
+            model.zero_grad(set_to_none=True)
+            arrivals.clear()
+            loss = cross_entropy(ddp(x[local]), y[local])
+            with CommMeter() as meter:
+                start = time.perf_counter()
+                loss.backward()
+                end = time.perf_counter()
+                completed = sum(handle.is_completed() for handle, _ in ddp._pending.values())
+                ddp.finish_gradient_synchronization()
+        order = [i for i, _ in arrivals]
+        plan = [[index[id(p)] for p in bucket] for bucket in ddp.buckets]
+        last_arrival = [max(order.index(i) for i in bucket) for bucket in plan]
+        ms = lambda t: (t - start) * 1e3
+        out[bucket_mb] = {
+            "bucket_bytes": [sum(params[i].numel() * params[i].element_size() for i in bucket) for bucket in plan],
+            "grads_after_launch": [len(order) - 1 - position for position in last_arrival],
+            "call_bytes": [nbytes for op, nbytes in meter.events if op == "all_reduce"],
+            "call_ms": [ms(t) for (op, _), t in zip(meter.events, meter.times) if op == "all_reduce"],
+            "arrival_ms": [ms(t) for _, t in arrivals], "backward_ms": ms(end), "completed_at_backward_end": completed,
+            "gradients": len(order),
+        }
+    return out
+
+
 def zero1(rank: int, world_size: int, steps: int = 3, global_batch: int = 8, seq_len: int = 16, seed: int = 0) -> dict:
     """ZeRO-1 three ways against the unsharded AdamW on the full batch, ``steps`` steps: the paper's
     :class:`ShardedOptimizer` (no DDP: it reduce-scatters the gradients itself, steps its shard,
@@ -289,6 +338,51 @@ def fsdp(rank: int, world_size: int, steps: int = 3, global_batch: int = 8, seq_
             "layer_shard_bytes": layer_shards}
 
 
+def fsdp_inside(rank: int, world_size: int, global_batch: int = 8, seq_len: int = 16, seed: int = 0) -> dict:
+    """One FSDP2 training step (plain SGD) with ``reshard_after_forward=True`` (ZeRO-3: each block's full
+    parameters are freed after its forward and gathered again for its backward) and ``False`` (ZeRO-2-like:
+    gathered once, kept until backward is done), taken apart per unit (every block, then the root with the
+    embedding, the final norm and the output layer, at FSDP2's default for the root). Returns per setting: the bytes of this rank's shards
+    (``shard``, per unit), what it holds between forward and backward (its shards plus the full parameters of
+    every unit still unsharded then, read from whether the unit's parameters are DTensors), the bytes of its
+    gradients after backward, and ``CommMeter``'s calls and bytes sent in forward and in backward."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from labkit.train import cross_entropy
+
+    base, x, y = _toy_setup(seed, global_batch, seq_len)
+    local = _local_slice(rank, world_size, global_batch)
+    nbytes = lambda t: t.numel() * t.element_size()
+    out = {}
+    for reshard in (True, False):
+        model = copy.deepcopy(base)
+        for layer in model.layers:
+            fully_shard(layer, reshard_after_forward=reshard)
+        fully_shard(model)  # the root keeps FSDP2's default: gathered in forward, kept for backward, which needs it first
+        unit = lambda name: ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
+        full, shard = {}, {}
+        for name, p in model.named_parameters():  # DTensors report their full size, to_local() this rank's shard
+            full[unit(name)] = full.get(unit(name), 0) + nbytes(p)
+            shard[unit(name)] = shard.get(unit(name), 0) + nbytes(p.to_local())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with CommMeter() as forward:
+            loss = cross_entropy(model(x[local]), y[local])
+        # an unsharded unit's module holds plain tensors in place of its DTensor shards
+        unsharded = sorted({unit(name) for name, p in model.named_parameters() if not isinstance(p, DTensor)})
+        with CommMeter() as backward:
+            loss.backward()
+        grads = sum(nbytes(p.grad.to_local()) for p in model.parameters())
+        optimizer.step()
+        out["zero3" if reshard else "zero2"] = {
+            "full": full, "shard": shard, "unsharded_after_forward": unsharded,
+            "held_after_forward": sum(shard.values()) + sum(full[name] for name in unsharded), "grad_bytes": grads,
+            "forward": {op: {"calls": forward.calls[op], "sent": forward.sent[op]} for op in forward.calls},
+            "backward": {op: {"calls": backward.calls[op], "sent": backward.sent[op]} for op in backward.calls},
+        }
+    return out
+
+
 def fail_on_rank(rank: int, world_size: int, bad_rank: int = 1) -> int:
     """Raises on ``bad_rank`` after printing a line; the other ranks wait in a collective."""
     print(f"rank {rank} starting")
@@ -326,8 +420,8 @@ def several(rank: int, world_size: int, demos: dict[str, dict]) -> dict:
     return {name: _DEMOS[name](rank, world_size, **kwargs) for name, kwargs in demos.items()}
 
 
-_DEMOS = {f.__name__: f for f in (hello, collectives, ring_vs_all_reduce, data_parallel, gradient_accumulation, zero1,
-                                  zero1_mixed_precision, fsdp)}
+_DEMOS = {f.__name__: f for f in (hello, collectives, ring_vs_all_reduce, data_parallel, ddp_overlap, gradient_accumulation, zero1,
+                                  zero1_mixed_precision, fsdp, fsdp_inside)}
 
 
 # ----------------------------------------------------------------------------- drawing the collectives

@@ -634,6 +634,14 @@ class CachingAllocatorSimulator:
     simulation ``empty_cache()`` then unmaps the whole pages of the free block at the end of the
     segment (the real allocator also unmaps free pages inside it), and the two options cannot be
     combined.
+
+    ``capacity`` (bytes, default unlimited) is the device's memory, as ``torch.cuda.set_per_process_memory_fraction``
+    sets it: a ``cudaMalloc`` that would take ``reserved`` past it fails. The allocator then **frees its cached
+    memory and retries**: it returns every entirely free segment to the driver (``release_cached_blocks``, what
+    ``empty_cache()`` does), counts ``num_alloc_retries`` and tries once more; if that fails too it counts
+    ``num_ooms`` and raises ``torch.OutOfMemoryError`` with the numbers PyTorch's message gives (with
+    ``max_split_size_mb`` set, the real allocator first frees only the unsplittable cached blocks; this simulation
+    frees all free segments at once). The counters have the names of ``torch.cuda.memory_stats()``'s.
     """
 
     MIN_BLOCK_SIZE = 512
@@ -643,7 +651,7 @@ class CachingAllocatorSimulator:
     MIN_LARGE_ALLOC = 10 * MiB
     ROUND_LARGE = 2 * MiB
 
-    def __init__(self, max_split_size_mb: float | None = None, expandable_segments: bool = False):
+    def __init__(self, max_split_size_mb: float | None = None, expandable_segments: bool = False, capacity: int | None = None):
         if max_split_size_mb is not None and (isinstance(max_split_size_mb, bool) or not isinstance(max_split_size_mb, (int, float))
                                               or not max_split_size_mb > self.LARGE_BUFFER // MiB):
             raise ValueError(f"max_split_size_mb={max_split_size_mb!r}: expected None or a number > 20 (as PyTorch requires)")
@@ -651,6 +659,11 @@ class CachingAllocatorSimulator:
             raise TypeError(f"expandable_segments: expected a bool, got {type(expandable_segments).__name__}")
         if expandable_segments and max_split_size_mb is not None:
             raise ValueError("max_split_size_mb with expandable_segments=True: this simulation models them one at a time")
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0):
+            raise ValueError(f"capacity={capacity!r}: expected None or a positive number of bytes (int)")
+        self.capacity = math.inf if capacity is None else capacity
+        self.num_alloc_retries = 0
+        self.num_ooms = 0
         self.max_split_size = math.inf if max_split_size_mb is None else int(max_split_size_mb * MiB)
         self.expandable_segments = expandable_segments
         self.segments: list[_Segment] = []
@@ -681,6 +694,16 @@ class CachingAllocatorSimulator:
         size = self.round_size(nbytes)
         pool = "small" if size <= self.SMALL_SIZE else "large"
         found = self._cached_block(size, pool) or self._new_memory(size, pool)
+        if found is None:  # cudaMalloc failed: free the cached segments and try once more
+            self.empty_cache()
+            self.num_alloc_retries += 1
+            found = self._new_memory(size, pool)
+        if found is None:
+            self.num_ooms += 1
+            raise torch.OutOfMemoryError(
+                f"Tried to allocate {size / MiB:.2f} MiB (simulated device capacity {self.capacity / MiB:.2f} MiB). Of the "
+                f"allocated memory {self.allocated / MiB:.2f} MiB is allocated by PyTorch, and "
+                f"{(self.reserved - self.allocated) / MiB:.2f} MiB is reserved by PyTorch but unallocated.")
         segment, index = found
         block = segment.blocks[index]
         remaining = block.size - size
@@ -705,7 +728,10 @@ class CachingAllocatorSimulator:
         return self.segments[s], i
 
     def _new_memory(self, size: int, pool: str):
+        """A new segment (or the expandable segment grown) for ``size``; None where ``capacity`` forbids it."""
         if not self.expandable_segments:
+            if self.reserved + self.segment_size(size) > self.capacity:
+                return None
             self.cuda_malloc_calls += 1
             self.segments.append(_Segment(pool, [_Block(self.segment_size(size))]))
             return self.segments[-1], 0
@@ -717,7 +743,14 @@ class CachingAllocatorSimulator:
             segment.blocks.append(_Block(0))
         tail = segment.blocks[-1]  # the free end of the segment grows by whole pages
         page = self.SMALL_BUFFER if pool == "small" else self.LARGE_BUFFER
-        tail.size += -(-(size - tail.size) // page) * page
+        growth = -(-(size - tail.size) // page) * page
+        if self.reserved + growth > self.capacity:
+            if tail.size == 0:
+                segment.blocks.pop()
+            if not segment.blocks:
+                self.segments.remove(segment)
+            return None
+        tail.size += growth
         return segment, len(segment.blocks) - 1
 
     def free(self, handle: int) -> None:

@@ -437,9 +437,41 @@ def test_max_split_size_keeps_big_blocks_whole():
     assert rows[-1][2] == 170 * MiB  # 100 >= 70 + 20: too wasteful, a new segment
 
 
+def test_at_capacity_the_allocator_frees_cached_segments_and_retries():
+    # the devlog's 8x16 MiB freed, then 32 MiB requests, on a 160 MiB device: the first fits beside the cache
+    # (128 + 32 MiB), the second does not, so the 8 free segments go back and the retry fits (32 + 32 MiB)
+    sim = CachingAllocatorSimulator(capacity=160 * MiB)
+    handles = [sim.malloc(16 * MiB) for _ in range(8)]
+    for h in handles:
+        sim.free(h)
+    sim.malloc(32 * MiB)
+    assert (sim.reserved, sim.num_alloc_retries) == (160 * MiB, 0)
+    sim.malloc(32 * MiB)
+    assert (sim.reserved, sim.allocated, sim.num_alloc_retries, sim.num_ooms) == (64 * MiB, 64 * MiB, 1, 0)
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_holes_between_live_blocks_end_in_out_of_memory(expandable):
+    # 30 x 3 MiB fill 100 MiB: five 20 MiB segments of six blocks and a 2 MiB rest; or one expandable segment of
+    # 5 pages, where blocks 12 and 25 find a 4 MiB free end and take it whole (a 1 MiB rest is not split off).
+    # Every other one freed leaves holes of 3-4 MiB between live blocks, which no retry can merge
+    sim = CachingAllocatorSimulator(capacity=100 * MiB, expandable_segments=expandable)
+    handles = [sim.malloc(3 * MiB) for _ in range(30)]
+    for h in handles[::2]:
+        sim.free(h)
+    live = (15 * 3 + expandable) * MiB  # block 25, live, holds 4 MiB
+    with pytest.raises(torch.OutOfMemoryError, match=f"Tried to allocate 12.00 MiB.*{live // MiB}.00 MiB is allocated.*"
+                                                     f"{100 - live // MiB}.00 MiB is reserved"):
+        sim.malloc(12 * MiB)
+    assert (sim.reserved, sim.allocated, sim.num_alloc_retries, sim.num_ooms) == (100 * MiB, live, 1, 1)
+    assert len(sim.segments) == (1 if expandable else 5)  # the failed attempt left nothing behind
+
+
 def test_allocator_rejects_bad_input():
     with pytest.raises(ValueError, match="max_split_size_mb"):
         CachingAllocatorSimulator(max_split_size_mb=20)
+    with pytest.raises(ValueError, match="capacity"):
+        CachingAllocatorSimulator(capacity=0)
     with pytest.raises(ValueError, match="nbytes"):
         CachingAllocatorSimulator().malloc(0)
     with pytest.raises(ValueError, match="handle"):
