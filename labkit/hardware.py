@@ -4,10 +4,11 @@ An operator reads its inputs from memory, computes, and writes its outputs back,
 by compute *and* by memory traffic. This module reads the machine's hardware from the operating
 system (:func:`machine_report`), measures the memory hierarchy (:func:`bandwidth_sweep`,
 :func:`latency_sweep`, :func:`stride_sweep`) and the arithmetic peak (:func:`matmul_flops`), places
-operators on a :class:`Roofline` (:func:`arithmetic_intensity`), times code correctly
-(:func:`timeit`, built on ``torch.utils.benchmark``) and profiles it (:func:`profile_step`, built on
-``torch.profiler``). The staged slow loops of the chapter (:func:`softmax_rows_loop`,
-:func:`gelu_unfused`, :class:`Prefetcher`) live here too.
+operators on a :class:`Roofline` (:func:`arithmetic_intensity`), lays out a GPU's memory hierarchy from
+published figures (:func:`gpu_memory_hierarchy`), counts a matmul's tile and wave quantization
+(:func:`tile_waves`), times code correctly (:func:`timeit`, built on ``torch.utils.benchmark``) and
+profiles it (:func:`profile_step`, built on ``torch.profiler``). The staged slow loops of the chapter
+(:func:`softmax_rows_loop`, :func:`gelu_unfused`, :class:`Prefetcher`) live here too.
 
 Every number measured here belongs to one machine at one moment: shown, never compared digit for digit.
 """
@@ -23,6 +24,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -633,14 +635,35 @@ def bandwidth_sweep(sizes: Iterable[int], mode: str = "read", traffic_bytes: int
     return rows
 
 
+def bandwidth_by_level(caches: Iterable[Cache], rows: list[dict]) -> list[dict]:
+    """Each data cache of ``caches`` (a :class:`CPUReport`'s) with the bandwidth :func:`bandwidth_sweep` measured there:
+    the ``rows`` entry of the largest working set at most half the level's size (the other half is left to the code,
+    the stack and the level's own associativity), then ``"memory"`` with the largest working set of all. Rows:
+    ``level``, ``size_bytes`` (None for memory), ``working_set``, ``gb_per_s``; a level no row fits is left out."""
+    if not rows:
+        raise ValueError("rows: expected the rows of bandwidth_sweep")
+    by_size = sorted(rows, key=lambda r: r["size_bytes"])
+    levels = []
+    for cache in sorted((c for c in caches if c.kind != "Instruction"), key=lambda c: c.level):
+        fitting = [r for r in by_size if r["size_bytes"] <= cache.size_bytes // 2]
+        if fitting:
+            levels.append(dict(level=cache.name, size_bytes=cache.size_bytes, working_set=fitting[-1]["size_bytes"],
+                               gb_per_s=fitting[-1]["gb_per_s"]))
+    levels.append(dict(level="memory", size_bytes=None, working_set=by_size[-1]["size_bytes"], gb_per_s=by_size[-1]["gb_per_s"]))
+    return levels
+
+
 def random_cycle(n: int, seed: int = 0) -> np.ndarray:
     """``next`` (int64, length ``n``) of one random cycle through all ``n`` slots: following
     ``i = next[i]`` from any slot visits every slot once, in an order no prefetcher can guess."""
     if not isinstance(n, (int, np.integer)) or n < 1:
         raise ValueError(f"n={n!r}: expected a positive int")
-    order = np.random.default_rng(seed).permutation(n)
+    # torch's randperm: about 4x faster than numpy's permutation for the 8M slots of a 64 MiB table, where the
+    # shuffle's random writes, not the walk, were most of the latency sweep's time
+    order = torch.randperm(int(n), generator=torch.Generator().manual_seed(seed)).numpy()
     nxt = np.empty(n, dtype=np.int64)
-    nxt[order] = np.roll(order, -1)
+    nxt[order[:-1]] = order[1:]  # each slot of the order links to the next one, the last back to the first
+    nxt[order[-1]] = order[0]
     return nxt
 
 
@@ -900,6 +923,118 @@ class Roofline:
         where = f" on {flop_rows[0]['device']}" if flop_rows[0].get("device") else ""
         return cls(name, peak, bandwidth, f"measured{where}: best of matmul_flops, bandwidth_sweep at "
                                           f"{format_bytes(bandwidth_rows[-1]['size_bytes'])}")
+
+
+# ----------------------------------------------------------------------------- inside a GPU
+@dataclasses.dataclass(frozen=True)
+class SMLayout:
+    """What a GPU's streaming multiprocessors (SMs) hold, as its architecture whitepaper gives it."""
+
+    sms: int
+    registers_per_sm: int  # 32-bit registers
+    shared_memory_per_sm: int  # bytes a kernel can use as shared memory (the rest of the L1/shared array stays L1)
+    shared_bytes_per_clock: int  # per SM: 32 banks of 4 bytes
+    fp32_lanes_per_sm: int  # FP32 FMA units
+    l2_bytes: int
+    source: str
+
+
+# GH100 as the H100 SXM5 and the H200 SXM enable it: the same die and SM count, different HBM.
+_HOPPER_LAYOUT = SMLayout(sms=132, registers_per_sm=65536, shared_memory_per_sm=228 * KiB, shared_bytes_per_clock=128,
+                          fp32_lanes_per_sm=128, l2_bytes=50 * MiB,
+                          source="NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022): 132 SMs (SXM5), "
+                                 "64K 32-bit registers and up to 228 KB of shared memory per SM, 128 FP32 units "
+                                 "per SM, 50 MB L2; shared memory: 32 banks x 4 bytes per clock")
+GPU_SM_LAYOUTS: dict[str, SMLayout] = {"H100 SXM": _HOPPER_LAYOUT, "H200": _HOPPER_LAYOUT}
+
+
+def sm_clock_hz(gpu: str) -> float:
+    """The clock at which ``gpu``'s datasheet fp32 peak is reached: peak / (2 FLOPs x FP32 units per SM x SMs)."""
+    layout, peaks = _layout_and_peaks(gpu)
+    return peaks.tflops["float32"] * 1e12 / (2 * layout.fp32_lanes_per_sm * layout.sms)
+
+
+def _layout_and_peaks(gpu: str) -> tuple[SMLayout, GPUPeaks]:
+    if gpu not in GPU_SM_LAYOUTS:
+        raise ValueError(f"gpu={gpu!r}: expected one of {', '.join(GPU_SM_LAYOUTS)}")
+    return GPU_SM_LAYOUTS[gpu], GPU_DATASHEETS[gpu]
+
+
+def gpu_memory_hierarchy(gpu: str) -> list[dict]:
+    """The memory levels of ``gpu`` (a key of :data:`GPU_SM_LAYOUTS`) from the chip outward, from published figures.
+
+    Rows: ``level``, ``bytes`` (the whole chip), ``bytes_per_sm`` (None for chip-wide levels), ``tb_per_s`` (None where
+    nothing published gives it: NVIDIA quotes no L2 bandwidth) and ``how`` (where the figures come from). The
+    register file's rate is what the FP32 units read (3 operands of 4 bytes per FMA at the fp32 peak), shared
+    memory's its banks' bytes per clock over all SMs at :func:`sm_clock_hz`."""
+    layout, peaks = _layout_and_peaks(gpu)
+    clock = sm_clock_hz(gpu)
+    fma_per_s = peaks.tflops["float32"] * 1e12 / 2
+    return [
+        dict(level="registers", bytes=layout.registers_per_sm * 4 * layout.sms, bytes_per_sm=layout.registers_per_sm * 4,
+             tb_per_s=fma_per_s * 3 * 4 / 1e12, how="3 operands x 4 B per FMA at the fp32 peak"),
+        dict(level="shared memory", bytes=layout.shared_memory_per_sm * layout.sms, bytes_per_sm=layout.shared_memory_per_sm,
+             tb_per_s=layout.shared_bytes_per_clock * layout.sms * clock / 1e12,
+             how=f"{layout.shared_bytes_per_clock} B per clock per SM at {clock / 1e9:.2f} GHz"),
+        dict(level="L2", bytes=layout.l2_bytes, bytes_per_sm=None, tb_per_s=None, how="size from the whitepaper; no bandwidth published"),
+        dict(level="HBM", bytes=int(peaks.memory_gb * GiB), bytes_per_sm=None, tb_per_s=peaks.bandwidth_tb_s, how="datasheet"),
+    ]
+
+
+def tile_intensity(tile_m: int, tile_n: int, dtype: torch.dtype) -> float:
+    """FLOPs per byte loaded of a ``tile_m x tile_n`` output tile of a matmul: each step along k loads a
+    ``tile_m``-row slab of A and a ``tile_n``-column slab of B (``(tile_m + tile_n) k`` elements) for
+    ``2 tile_m tile_n k`` FLOPs, whatever k is."""
+    _positive_ints(tile_m=tile_m, tile_n=tile_n)
+    return 2 * tile_m * tile_n / ((tile_m + tile_n) * element_size(dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class TileWaves:
+    """An ``m x n`` matmul output cut into ``tile_m x tile_n`` tiles, one tile per SM at a time, on ``sms`` SMs.
+
+    The last row and column of tiles stick out past the output (tile quantization), and the last wave of tiles
+    leaves SMs idle unless the tile count is a multiple of ``sms`` (wave quantization). The shares are exact
+    fractions."""
+
+    m: int
+    n: int
+    tile_m: int
+    tile_n: int
+    sms: int
+
+    @property
+    def tiles(self) -> int:
+        return -(-self.m // self.tile_m) * -(-self.n // self.tile_n)
+
+    @property
+    def waves(self) -> int:
+        return -(-self.tiles // self.sms)
+
+    @property
+    def tile_efficiency(self) -> Fraction:
+        """The share of the tiles' area that lies inside the output."""
+        return Fraction(self.m * self.n, self.tiles * self.tile_m * self.tile_n)
+
+    @property
+    def wave_efficiency(self) -> Fraction:
+        """The share of the waves' SM slots that hold a tile."""
+        return Fraction(self.tiles, self.waves * self.sms)
+
+    @property
+    def efficiency(self) -> Fraction:
+        """Useful output over what the waves could compute: tile efficiency x wave efficiency."""
+        return self.tile_efficiency * self.wave_efficiency
+
+
+def tile_waves(m: int, n: int, tile: tuple[int, int] = (128, 128), sms: int = 132) -> TileWaves:
+    """:class:`TileWaves` of an ``m x n`` output in tiles of ``tile`` (rows, columns) on ``sms`` SMs (132: an H100
+    SXM's or an H200's). A model of the simplest schedule: real GEMM libraries pick among tile shapes, and
+    split-K or stream-K kernels divide the k loop to fill the last wave."""
+    if not isinstance(tile, (tuple, list)) or len(tile) != 2:
+        raise ValueError(f"tile={tile!r}: expected (tile_m, tile_n)")
+    _positive_ints(m=m, n=n, tile_m=tile[0], tile_n=tile[1], sms=sms)
+    return TileWaves(int(m), int(n), int(tile[0]), int(tile[1]), int(sms))
 
 
 # ----------------------------------------------------------------------------- profiling

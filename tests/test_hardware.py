@@ -522,3 +522,70 @@ def _cpu_seconds(pid: int) -> float:
 
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_gpu_memory_hierarchy_from_published_figures():
+    for gpu, hbm_tb_s in (("H100 SXM", 3.35), ("H200", 4.8)):
+        levels = {r["level"]: r for r in H.gpu_memory_hierarchy(gpu)}
+        assert list(levels) == ["registers", "shared memory", "L2", "HBM"]
+        assert H.sm_clock_hz(gpu) == pytest.approx(1.98e9, rel=0.01)  # the H100 SXM5's boost clock, 1980 MHz
+        assert levels["registers"]["bytes"] == 132 * 65536 * 4 and levels["registers"]["bytes_per_sm"] == 256 << 10
+        assert levels["shared memory"]["bytes"] == 132 * 228 * 1024 and levels["L2"]["bytes"] == 50 << 20
+        # 132 SMs x 128 FP32 units x 2 FLOPs x clock = 67 TFLOP/s; shared memory 128 B x 132 x clock; registers 12 B per FMA
+        assert levels["shared memory"]["tb_per_s"] == pytest.approx(128 * 132 * 67e12 / (2 * 128 * 132) / 1e12)
+        assert levels["registers"]["tb_per_s"] == pytest.approx(67e12 / 2 * 12 / 1e12)
+        assert levels["L2"]["tb_per_s"] is None and levels["HBM"]["tb_per_s"] == hbm_tb_s
+    with pytest.raises(ValueError, match="gpu"):
+        H.gpu_memory_hierarchy("A100 SXM4 80GB")
+
+
+def test_tile_intensity_counts_the_slabs_a_tile_loads():
+    # brute force: the loads and FLOPs of a 2-step k loop, summed
+    for tm, tn, dtype in ((128, 128, torch.bfloat16), (128, 256, torch.float16), (64, 32, torch.float32)):
+        size, k_step = torch.empty((), dtype=dtype).element_size(), 64
+        flops = sum(2 * tm * tn * k_step for _ in range(2))
+        loaded = sum((tm * k_step + k_step * tn) * size for _ in range(2))
+        assert H.tile_intensity(tm, tn, dtype) == flops / loaded
+    with pytest.raises(ValueError, match="tile_m"):
+        H.tile_intensity(0, 128, torch.bfloat16)
+
+
+def _tile_waves_by_counting(m, n, tm, tn, sms):
+    """Every output element is put in its tile, the tiles are handed to SMs in waves of ``sms``: the useful share."""
+    from fractions import Fraction
+
+    tiles = {}
+    for row in range(m):
+        for col in range(n):
+            tiles[row // tm, col // tn] = tiles.get((row // tm, col // tn), 0) + 1
+    waves, handed = 0, 0
+    while handed < len(tiles):
+        handed, waves = handed + sms, waves + 1
+    return len(tiles), waves, Fraction(sum(tiles.values()), waves * sms * tm * tn)
+
+
+@pytest.mark.parametrize("m, n, tile, sms", [(256, 256, (128, 128), 4), (300, 200, (128, 64), 5), (1, 1, (16, 16), 3),
+                                             (128, 1056, (128, 128), 8), (130, 390, (64, 128), 7), (96, 96, (32, 48), 132)])
+def test_tile_waves_against_counting(m, n, tile, sms):
+    tw = H.tile_waves(m, n, tile, sms)
+    assert (tw.tiles, tw.waves, tw.efficiency) == _tile_waves_by_counting(m, n, *tile, sms)
+    assert tw.efficiency == tw.tile_efficiency * tw.wave_efficiency <= 1
+
+
+def test_tile_waves_rejects_bad_input():
+    for kwargs in (dict(m=0, n=4), dict(m=4, n=4, tile=(128,)), dict(m=4, n=4, sms=0), dict(m=4.0, n=4)):
+        with pytest.raises(ValueError):
+            H.tile_waves(**kwargs)
+
+
+def test_bandwidth_by_level_takes_the_largest_working_set_in_half_of_each_level():
+    caches = (H.Cache(1, "Data", 32 << 10, 64, 1, 2), H.Cache(1, "Instruction", 32 << 10, 64, 1, 2),
+              H.Cache(2, "Unified", 1 << 20, 64, 1, 2), H.Cache(3, "Unified", 32 << 20, 64, 2, 1))
+    rows = [dict(size_bytes=size, gb_per_s=float(i)) for i, size in enumerate([8 << 10, 16 << 10, 64 << 10, 512 << 10, 64 << 20])]
+    levels = H.bandwidth_by_level(caches, rows[::-1])  # any order
+    assert [(r["level"], r["working_set"], r["gb_per_s"]) for r in levels] == [
+        ("L1d", 16 << 10, 1.0), ("L2", 512 << 10, 3.0), ("L3", 512 << 10, 3.0), ("memory", 64 << 20, 4.0)]
+    assert [r["level"] for r in H.bandwidth_by_level(caches[3:], rows[:1])] == ["L3", "memory"]
+    assert [r["level"] for r in H.bandwidth_by_level((), rows)] == ["memory"]
+    with pytest.raises(ValueError, match="rows"):
+        H.bandwidth_by_level(caches, [])
