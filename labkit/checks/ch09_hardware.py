@@ -19,7 +19,7 @@ import random
 import torch
 
 from labkit import hardware as H
-from labkit.checks._core import assert_close, call, call_on_copies, expect_device, expect_dtype, fail, other_device, passed
+from labkit.checks._core import CheckFailed, assert_close, call, call_on_copies, expect_device, expect_dtype, fail, other_device, passed
 
 __all__ = ["matmul_cost", "add_cost", "roofline_time", "softmax_rows", "diagnose_step"]
 
@@ -254,6 +254,7 @@ def softmax_rows(fn) -> None:
 # ----------------------------------------------------------------------------- diagnose_step
 DIAGNOSIS_SEEDS = (11, 12, 13, 14, 15)  # one hidden variant per bottleneck: sizes, depths and waits differ by seed
 TIME_FACTOR, TIME_SLACK_S = 4.0, 2e-3  # a median must lie within 4x (+- 2 ms) of the grader's, timed before and after
+TIME_ATTEMPTS = 3  # the whole measurement is repeated (on a fresh step) before a time outside the range fails
 
 _WHY = {
     "data": "loading the batch took longer than the step itself: time load_batch() and run(batch) separately; when "
@@ -318,17 +319,25 @@ def diagnose_step(fn) -> None:
     order = random.Random(9).sample(H.BOTTLENECKS, len(H.BOTTLENECKS))
     for number, (bottleneck, seed) in enumerate(zip(order, DIAGNOSIS_SEEDS), 1):
         tried = f"diagnose_step(step) on hidden training step {number} of {len(order)}"
-        result, load_s, run_s = call(lambda: apply(_diagnose_here, fn, bottleneck, seed), tried)
-        if not isinstance(result, dict):
-            fail(tried, "None" if result is None else f"a {type(result).__name__}",
-                 'a dict with "bottleneck", "load_s" and "run_s"',
-                 "did you forget `return`?" if result is None else 'return {"bottleneck": ..., "load_s": ..., "run_s": ...}')
-        missing = [key for key in ("bottleneck", "load_s", "run_s") if key not in result]
-        if missing:
-            fail(tried, f"a dict with keys {sorted(map(str, result))}", f"the keys {missing} too",
-                 'return {"bottleneck": ..., "load_s": ..., "run_s": ...}')
-        _check_time(result["load_s"], load_s, "load_s", tried)
-        _check_time(result["run_s"], run_s, "run_s", tried)
+        for attempt in range(1, TIME_ATTEMPTS + 1):
+            result, load_s, run_s = call(lambda: apply(_diagnose_here, fn, bottleneck, seed), tried)
+            if not isinstance(result, dict):
+                fail(tried, "None" if result is None else f"a {type(result).__name__}",
+                     'a dict with "bottleneck", "load_s" and "run_s"',
+                     "did you forget `return`?" if result is None else 'return {"bottleneck": ..., "load_s": ..., "run_s": ...}')
+            missing = [key for key in ("bottleneck", "load_s", "run_s") if key not in result]
+            if missing:
+                fail(tried, f"a dict with keys {sorted(map(str, result))}", f"the keys {missing} too",
+                     'return {"bottleneck": ..., "load_s": ..., "run_s": ...}')
+            try:
+                _check_time(result["load_s"], load_s, "load_s", tried)
+                _check_time(result["run_s"], run_s, "run_s", tried)
+                break
+            except CheckFailed:
+                # A burst of load from another program can land inside the learner's timing and not the grader's
+                # (or the other way round); a timing mistake fails every attempt, on a fresh step each time.
+                if attempt == TIME_ATTEMPTS:
+                    raise
         named = result["bottleneck"]
         if named not in H.BOTTLENECKS:
             fail(tried, f"bottleneck = {named!r}", f"one of {H.BOTTLENECKS}", "name it with one of these words")
