@@ -13,6 +13,9 @@ Everything is written out in PyTorch so it can be read line by line:
   ``scaling * B A`` into ``W0`` and back; :func:`merge_and_unload` leaves plain layers;
   :func:`lora_state_dict` / :func:`load_lora_state_dict` save and swap adapters;
   :func:`trainable_parameters` and :func:`lora_parameter_count` count.
+* **Variants** - :class:`DoRALinear` (DoRA, Liu et al., 2024: a trained magnitude per output feature times
+  the normalised direction ``W0 + scaling * B A``; ``apply_lora(..., use_dora=True)``) and
+  :func:`loraplus_param_groups` (LoRA+, Hayou et al., 2024: ``B`` at a larger learning rate than ``A``).
 * **Memory** - :func:`finetune_memory`: weights, gradients, optimizer states, master weights,
   activations, adapters and quantization scales of full fine-tuning, LoRA and QLoRA, predicted from
   a :class:`~labkit.model.ModelConfig` (activations: chapter 07's :func:`labkit.memory.activation_terms`
@@ -182,6 +185,18 @@ class LoRALinear(nn.Module):
         """``scaling * B A``, ``[d_out, d_in]`` like the base weight, computed in fp32."""
         return (self.lora_B.detach().float() @ self.lora_A.detach().float()) * self.scaling
 
+    def adapter_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters this layer trains, by name: what :func:`lora_state_dict` saves."""
+        return {"lora_A": self.lora_A, "lora_B": self.lora_B}
+
+    def merged_weight(self, w0: torch.Tensor) -> torch.Tensor:
+        """The weight of the merged layer, in fp32, from the base weight ``w0``: ``W0 + scaling * B A``."""
+        return w0.float() + self.delta_weight()
+
+    def unmerged_weight(self, merged: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`merged_weight`, in fp32."""
+        return merged.float() - self.delta_weight()
+
     @torch.no_grad()
     def merge(self) -> None:
         """``W0 <- W0 + scaling * B A`` (in fp32, stored back in the weight's dtype); a no-op if merged.
@@ -194,7 +209,7 @@ class LoRALinear(nn.Module):
             raise ValueError("merge: the base is 4-bit; W0 + BA is not representable in its codes. "
                              "Use merge_and_unload(model), which replaces the layer by a full-precision one")
         weight = self.base.weight
-        weight.copy_((weight.float() + self.delta_weight()).to(weight.dtype))
+        weight.copy_(self.merged_weight(weight).to(weight.dtype))
         self.merged = True
 
     @torch.no_grad()
@@ -203,7 +218,7 @@ class LoRALinear(nn.Module):
         if not self.merged:
             return
         weight = self.base.weight
-        weight.copy_((weight.float() - self.delta_weight()).to(weight.dtype))
+        weight.copy_(self.unmerged_weight(weight).to(weight.dtype))
         self.merged = False
 
     @torch.no_grad()
@@ -212,12 +227,11 @@ class LoRALinear(nn.Module):
         with ``W0 + scaling * B A`` (a quantized base is dequantized first), or for a
         ``torch.nn.Linear`` base a copy of it with the merged weight."""
         if self.quantized:
-            w0 = self.base.dequantized_weight(torch.float32)
+            merged = self.merged_weight(self.base.dequantized_weight(torch.float32))
             dtype = dtype or torch.float32
         else:
-            w0 = self.base.weight.float() - (self.delta_weight() if self.merged else 0)
+            merged = self.base.weight.float() if self.merged else self.merged_weight(self.base.weight)
             dtype = dtype or self.base.weight.dtype
-        merged = w0 + self.delta_weight()
         if isinstance(self.base, nn.Linear):
             layer = copy.deepcopy(self.base).to(dtype)
         else:
@@ -229,6 +243,70 @@ class LoRALinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"d_in={self.d_in}, d_out={self.d_out}, r={self.r}, alpha={self.alpha:g}, scaling={self.scaling:.4g}"
                 f"{', rslora' if self.use_rslora else ''}{', merged' if self.merged else ''}")
+
+
+class DoRALinear(LoRALinear):
+    """DoRA, weight-decomposed low-rank adaptation (Liu et al., 2024): the adapted weight is split into a
+    magnitude and a direction, ``W' = m * (W0 + scaling * B A) / ||W0 + scaling * B A||``, the norm taken
+    per output feature (over each row of the ``[d_out, d_in]`` weight). ``m`` (``lora_magnitude_vector``,
+    ``[d_out]``) trains beside ``A`` and ``B`` and starts at ``||W0||``, so the layer starts as ``base``.
+
+    As the paper recommends (section 4.3) and PEFT does, the norm is treated as a constant in the backward
+    pass (computed without gradient): the gradient reaches ``m`` and ``B A`` through the numerator only, and
+    no ``[d_out, d_in]`` tensor is kept for backward. In the forward pass
+    ``y = base(x) + (m / n - 1) W0 x' + (m / n) scaling B A x'`` (``x'`` the dropped-out input, ``n`` the
+    norm), PEFT's form: with dropout off it is ``(m / n) (W0 + scaling B A) x`` plus the base's bias.
+    It costs a ``d_out x d_in`` product ``B A`` per forward pass (plain LoRA never forms it) and ``d_out``
+    more trainable parameters per layer. Merging folds ``m / n`` into the weight as well."""
+
+    def __init__(self, base: nn.Module, r: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False,
+                 adapter_dtype: torch.dtype | None = None):
+        super().__init__(base, r, alpha, dropout, use_rslora, adapter_dtype)
+        with torch.no_grad():
+            norm = self._direction_norm(self._base_weight())
+        self.lora_magnitude_vector = nn.Parameter(norm)
+        self._merged_norm = None  # the norm at merge time, for unmerge
+
+    def _base_weight(self) -> torch.Tensor:
+        """``W0`` (dequantized over a 4-bit base) in the adapters' dtype, without gradient."""
+        if self.quantized:
+            weight = self.base.dequantized_weight(self.lora_A.dtype)
+        else:
+            weight = self.base.weight.to(self.lora_A.dtype)
+        return weight.detach()
+
+    @torch.no_grad()
+    def _direction_norm(self, w0: torch.Tensor) -> torch.Tensor:
+        """``||W0 + scaling * B A||`` per output feature, ``[d_out]``, as a constant (no gradient)."""
+        return torch.linalg.vector_norm(w0 + self.scaling * (self.lora_B @ self.lora_A), dim=1)
+
+    def adapter_parameters(self) -> dict[str, nn.Parameter]:
+        return {**super().adapter_parameters(), "lora_magnitude_vector": self.lora_magnitude_vector}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = self.base_forward(x)
+        if self.merged:
+            return result
+        x = x.to(self.lora_A.dtype)
+        dropped = self.lora_dropout(x)
+        w0 = self._base_weight()
+        scale = self.lora_magnitude_vector / self._direction_norm(w0)  # [d_out]
+        if isinstance(self.lora_dropout, nn.Identity):
+            bias = getattr(self.base, "bias", None)
+            base_out = result.to(x.dtype) if bias is None else (result - bias).to(x.dtype)  # W0 x
+        else:
+            base_out = dropped @ w0.T  # W0 x', as PEFT: the magnitude's correction sees the dropped input
+        lora = (dropped @ self.lora_A.T) @ self.lora_B.T * self.scaling
+        return (result + (scale - 1) * base_out + scale * lora).to(result.dtype)
+
+    def merged_weight(self, w0: torch.Tensor) -> torch.Tensor:
+        direction = w0.float() + self.delta_weight()
+        norm = torch.linalg.vector_norm(direction, dim=1, keepdim=True)
+        self._merged_norm = norm  # the merged weight's rows have norm m: n cannot be read back from it
+        return self.lora_magnitude_vector.detach().float()[:, None] / norm * direction
+
+    def unmerged_weight(self, merged: torch.Tensor) -> torch.Tensor:
+        return merged.float() * (self._merged_norm / self.lora_magnitude_vector.detach().float()[:, None]) - self.delta_weight()
 
 
 # ============================================================================ a model
@@ -257,9 +335,10 @@ def target_modules(model: nn.Module, targets=DEFAULT_TARGETS) -> list[str]:
 
 
 def apply_lora(model: nn.Module, targets=DEFAULT_TARGETS, r: int = 8, alpha: float = 16, dropout: float = 0.0,
-               use_rslora: bool = False, adapter_dtype: torch.dtype | None = None) -> nn.Module:
+               use_rslora: bool = False, adapter_dtype: torch.dtype | None = None, use_dora: bool = False) -> nn.Module:
     """Freeze every parameter of ``model`` and wrap each linear layer selected by ``targets``
-    (:func:`target_modules`) in a :class:`LoRALinear`. Modifies ``model`` in place (like PEFT's
+    (:func:`target_modules`) in a :class:`LoRALinear` (a :class:`DoRALinear` with ``use_dora``, PEFT's
+    ``LoraConfig(use_dora=True)``). Modifies ``model`` in place (like PEFT's
     ``get_peft_model``) and returns it; ``copy.deepcopy`` the model first to keep the original.
     Raises if nothing matches or a selected layer already carries an adapter."""
     names = target_modules(model, targets)
@@ -277,8 +356,29 @@ def apply_lora(model: nn.Module, targets=DEFAULT_TARGETS, r: int = 8, alpha: flo
     for name in names:
         parent, _, child = name.rpartition(".")
         holder = model.get_submodule(parent) if parent else model
-        setattr(holder, child, LoRALinear(holder.get_submodule(child), r, alpha, dropout, use_rslora, adapter_dtype))
+        layer = DoRALinear if use_dora else LoRALinear
+        setattr(holder, child, layer(holder.get_submodule(child), r, alpha, dropout, use_rslora, adapter_dtype))
     return model
+
+
+def loraplus_param_groups(model: nn.Module, lr: float, lr_ratio: float = 16.0) -> list[dict]:
+    """Optimizer parameter groups for LoRA+ (Hayou et al., 2024): every adapter's ``B`` at ``lr_ratio * lr``,
+    ``A`` at ``lr``. With ``B = 0`` at the start and ``A`` random, one learning rate for both is inefficient
+    at large width; the paper's fix is a larger one for ``B`` (it suggests ratios around 16).
+    As PEFT's ``create_loraplus_optimizer``, the other one-dimensional trainable parameters (DoRA's
+    magnitudes, biases) go with ``B``, the remaining trainable ones with ``A``. Each group carries its
+    ``lr``, for any ``torch.optim`` optimizer: ``AdamW(loraplus_param_groups(model, 1e-3))``."""
+    if not lr > 0 or not lr_ratio > 0:
+        raise ValueError(f"lr={lr!r}, lr_ratio={lr_ratio!r}: expected two positive numbers")
+    adapters = lora_layers(model)
+    if not adapters:
+        raise ValueError("model: has no LoRA adapter; apply_lora(model, ...) first")
+    b_ids = {id(layer.lora_B) for layer in adapters.values()}
+    slow, fast = [], []
+    for parameter in {id(p): p for p in model.parameters()}.values():
+        if parameter.requires_grad:
+            (fast if id(parameter) in b_ids or parameter.dim() == 1 else slow).append(parameter)
+    return [{"params": slow, "lr": lr}, {"params": fast, "lr": lr * lr_ratio}]
 
 
 def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
@@ -318,8 +418,8 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     state = {}
     for name, layer in lora_layers(model).items():
         prefix = f"{name}." if name else ""
-        state[prefix + "lora_A"] = layer.lora_A.detach().clone()
-        state[prefix + "lora_B"] = layer.lora_B.detach().clone()
+        for key, parameter in layer.adapter_parameters().items():
+            state[prefix + key] = parameter.detach().clone()
     return state
 
 
@@ -337,8 +437,8 @@ def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> nn
         if layer.merged:
             raise ValueError(f"{name or 'model'}: is merged; unmerge_lora(model) before loading another adapter")
         prefix = f"{name}." if name else ""
-        for key in ("lora_A", "lora_B"):
-            target, source = getattr(layer, key), state[prefix + key]
+        for key, target in layer.adapter_parameters().items():
+            source = state[prefix + key]
             if source.shape != target.shape:
                 raise ValueError(f"{prefix + key}: shape {tuple(source.shape)}, the model's adapter is {tuple(target.shape)}")
             target.copy_(source)
@@ -729,7 +829,7 @@ def answer_loss(model: nn.Module, task: ArithmeticTask, split: str = "val", max_
 
 def finetune(model: nn.Module, task: ArithmeticTask, steps: int = 300, lr: float = 1e-3, batch_size: int = 64, *,
              warmup_iters: int = 10, min_lr: float | None = None, weight_decay: float = 0.0, grad_clip: float = 1.0,
-             betas=(0.9, 0.95), seed: int = 0) -> dict:
+             betas=(0.9, 0.95), seed: int = 0, loraplus_lr_ratio: float | None = None) -> dict:
     """Supervised fine-tuning of ``model``'s trainable parameters (all of them for full fine-tuning,
     the adapters after :func:`apply_lora`) on ``task``'s training examples.
 
@@ -737,6 +837,8 @@ def finetune(model: nn.Module, task: ArithmeticTask, steps: int = 300, lr: float
     run sees the same batches), computes the loss on the answer tokens only (the prompt's operands are
     random and cannot be learned), clips the gradient norm, and takes an AdamW step with a cosine
     schedule from ``lr`` to ``min_lr`` (default ``lr / 10``). The model is left in eval mode.
+    ``loraplus_lr_ratio``: LoRA+ (:func:`loraplus_param_groups`), the adapters' ``B`` on a schedule that
+    many times higher.
 
     Returns ``loss`` (per step), ``seconds_per_step`` (steps after the first), ``trainable`` and
     ``memory``: the bytes measured on the first step (as :func:`measure_training_memory`: weights,
@@ -749,15 +851,17 @@ def finetune(model: nn.Module, task: ArithmeticTask, steps: int = 300, lr: float
     device = params[0].device
     examples = _examples(task, "train", device)
     generator = torch.Generator().manual_seed(run_seed(seed))
-    optimizer = AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    groups = params if loraplus_lr_ratio is None else loraplus_param_groups(model, lr, loraplus_lr_ratio)
+    optimizer = AdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay)
+    lr_factors = [group["lr"] / lr if lr > 0 else 1.0 for group in optimizer.param_groups]
     min_lr = lr / 10 if min_lr is None else min_lr
     model.train()
     losses, memory = [], {}
 
     def train_step():
         step = len(losses)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_cosine_schedule(step, lr, min_lr, warmup_iters, steps)
+        for group, factor in zip(optimizer.param_groups, lr_factors):
+            group["lr"] = factor * lr_cosine_schedule(step, lr, min_lr, warmup_iters, steps)
         batch = examples[torch.randint(len(examples), (batch_size,), generator=generator).to(device)]
         meter = SavedTensorMeter(model) if step == 0 else contextlib.nullcontext()
         with meter:
@@ -792,14 +896,17 @@ def targets_label(targets) -> str:
 
 def finetune_run(base: nn.Module, new_task: ArithmeticTask, old_task: ArithmeticTask, targets=None, r: int = 8,
                  alpha: float = 16, *, lr: float, steps: int = 300, batch_size: int = 32, use_rslora: bool = False,
-                 seed: int = 0, old_examples: int | None = None) -> tuple[nn.Module, dict]:
+                 use_dora: bool = False, loraplus_lr_ratio: float | None = None, seed: int = 0,
+                 old_examples: int | None = None) -> tuple[nn.Module, dict]:
     """One row of the chapter's comparison: a copy of ``base`` fine-tuned on ``new_task`` with
     :func:`finetune`, in full (``targets=None``) or with rank-``r`` LoRA on ``targets`` (QLoRA when
-    ``base`` holds quantized layers), then measured on both tasks. ``base`` is left untouched.
+    ``base`` holds quantized layers; DoRA with ``use_dora``; LoRA+ with ``loraplus_lr_ratio``), then
+    measured on both tasks. ``base`` is left untouched.
 
     ``torch.manual_seed(seed)`` before the adapters are created (``A``'s random init) and the same
     ``seed`` for the batches, so every run starts from the same point and sees the same examples.
-    Returns the fine-tuned model and ``{"method", "targets", "r", "alpha", "trainable", "new"
+    Returns the fine-tuned model and ``{"method" ("full", "LoRA", "QLoRA", "DoRA" or "LoRA+"), "targets", "r",
+    "alpha", "trainable", "new"
     (exact-match accuracy on new_task's validation split), "old" (on old_task's, its first
     ``old_examples`` pairs if given), "old_loss" (:func:`answer_loss` on the same old_task pairs),
     "final_loss" (mean of the last 20 steps), "memory" (bytes measured on the first step),
@@ -810,13 +917,16 @@ def finetune_run(base: nn.Module, new_task: ArithmeticTask, old_task: Arithmetic
     model = copy.deepcopy(base)
     torch.manual_seed(run_seed(seed))
     if targets is None:
+        if use_dora or loraplus_lr_ratio is not None:
+            raise ValueError("use_dora, loraplus_lr_ratio: apply to adapters; give targets")
         model.requires_grad_(True)
         method, label, rank = "full", "-", None
     else:
-        apply_lora(model, targets, r, alpha, use_rslora=use_rslora)
+        apply_lora(model, targets, r, alpha, use_rslora=use_rslora, use_dora=use_dora)
         method = "QLoRA" if any(isinstance(m, QuantLinear) for m in model.modules()) else "LoRA"
+        method = "DoRA" if use_dora else "LoRA+" if loraplus_lr_ratio is not None else method
         label, rank = targets_label(targets), r
-    result = finetune(model, new_task, steps, lr, batch_size, seed=seed)
+    result = finetune(model, new_task, steps, lr, batch_size, seed=seed, loraplus_lr_ratio=loraplus_lr_ratio)
     row = {"method": method, "targets": label, "r": rank, "alpha": None if targets is None else alpha,
            "trainable": result["trainable"], "new": new_task.evaluate(model, "val"),
            "old": old_task.evaluate(model, "val", max_examples=old_examples),
@@ -829,7 +939,7 @@ def _state_bytes(model: nn.Module, optimizer) -> dict[str, int]:
     """Measured model state by kind: weights (non-adapter parameters and quantized codes), quantization
     scales (and zero points), adapters, the ``.grad`` tensors, the optimizer's state."""
     params = list({id(p): p for p in model.parameters()}.values())
-    lora_ids = {id(t) for layer in lora_layers(model).values() for t in (layer.lora_A, layer.lora_B)}
+    lora_ids = {id(t) for layer in lora_layers(model).values() for t in layer.adapter_parameters().values()}
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
     scales = [m.scales for m in quantized] + [m.zeros for m in quantized if m.zeros is not None]
 

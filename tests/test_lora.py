@@ -424,6 +424,11 @@ def test_rank_explorer_callback():
 
 
 # ----------------------------------------------------------------------------- Hugging Face PEFT
+def import_peft():
+    """Hugging Face peft, or a skip where it is not installed (the reference extra's comparison)."""
+    return pytest.importorskip("peft", reason="Hugging Face peft is not installed (pip install peft); the reference check is skipped")
+
+
 class TwoProjections(nn.Module):
     def __init__(self):
         super().__init__()
@@ -437,7 +442,7 @@ class TwoProjections(nn.Module):
 
 @pytest.mark.parametrize("rslora", [False, True])
 def test_same_outputs_gradients_and_merged_weights_as_peft(rslora):
-    peft = pytest.importorskip("peft", reason="Hugging Face peft is not installed (pip install peft); the reference check is skipped")
+    peft = import_peft()
     torch.manual_seed(11)
     model = TwoProjections()
     theirs = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
@@ -466,3 +471,171 @@ def test_same_outputs_gradients_and_merged_weights_as_peft(rslora):
     for name in ("q_proj", "v_proj"):
         assert torch.allclose(getattr(merged_ours, name).weight, getattr(merged_theirs, name).weight, atol=1e-6)
     assert torch.allclose(merged_ours(x), merged_theirs(x), atol=1e-6)
+
+
+def peft_adapters_like(theirs, ours, names, gen):
+    """Random non-zero adapters (and DoRA magnitudes) in PEFT's layers, copied into labkit's."""
+    for name in names:
+        their_layer, our_layer = theirs.base_model.model.get_submodule(name), ours.get_submodule(name)
+        with torch.no_grad():
+            their_layer.lora_A["default"].weight.normal_(generator=gen)
+            their_layer.lora_B["default"].weight.normal_(generator=gen)
+            our_layer.lora_A.copy_(their_layer.lora_A["default"].weight)
+            our_layer.lora_B.copy_(their_layer.lora_B["default"].weight)
+            if isinstance(our_layer, L.DoRALinear):
+                their_magnitude = their_layer.lora_magnitude_vector["default"].weight
+                assert torch.allclose(our_layer.lora_magnitude_vector, their_magnitude, atol=1e-6)  # both ||W0|| per row
+                their_magnitude.mul_(1 + 0.3 * torch.rand(their_magnitude.shape, generator=gen))
+                our_layer.lora_magnitude_vector.copy_(their_magnitude)
+
+
+def parameters_by_lr(groups) -> dict[float, int]:
+    """How many parameters train at each learning rate (PEFT splits B's group by weight decay)."""
+    counts = {}
+    for group in groups:
+        lr = round(group["lr"], 12)
+        counts[lr] = counts.get(lr, 0) + sum(p.numel() for p in group["params"])
+    return {lr: n for lr, n in counts.items() if n}
+
+
+def test_same_trainable_parameters_as_peft_and_the_same_groups_for_loraplus():
+    peft = import_peft()
+    from peft.optimizers import create_loraplus_optimizer
+
+    for use_dora in (False, True):
+        model = TwoProjections()
+        theirs = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=3, lora_alpha=6, target_modules=["q_proj", "v_proj"],
+                                                                           use_dora=use_dora))
+        ours = L.apply_lora(copy.deepcopy(model), ("q_proj", "v_proj"), r=3, alpha=6, use_dora=use_dora)
+        assert L.trainable_parameters(ours) == tuple(theirs.get_nb_trainable_parameters())
+        their_optimizer = create_loraplus_optimizer(theirs, torch.optim.AdamW, lr=1e-3, loraplus_lr_ratio=16)
+        assert parameters_by_lr(L.loraplus_param_groups(ours, 1e-3, 16)) == parameters_by_lr(their_optimizer.param_groups)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.25])
+def test_dora_matches_peft_outputs_gradients_and_merged_weights(dropout):
+    peft = import_peft()
+    torch.manual_seed(13)
+    model = TwoProjections()
+    theirs = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                                       lora_dropout=dropout, use_dora=True))
+    ours = L.apply_lora(copy.deepcopy(model), ("q_proj", "v_proj"), r=4, alpha=8, dropout=dropout, use_dora=True)
+    gen = torch.Generator().manual_seed(14)
+    peft_adapters_like(theirs, ours, ("q_proj", "v_proj"), gen)
+    x = torch.randn(7, 12, generator=gen)
+    theirs.train(), ours.train()
+    torch.manual_seed(15)
+    y_theirs = theirs(x)
+    torch.manual_seed(15)  # the same dropout masks: both draw one mask per layer, in the same order
+    y_ours = ours(x)
+    assert torch.allclose(y_ours, y_theirs, atol=1e-5)
+    y_theirs.square().sum().backward()
+    y_ours.square().sum().backward()
+    for name in ("q_proj", "v_proj"):
+        their_layer, our_layer = getattr(theirs.base_model.model, name), getattr(ours, name)
+        for ours_p, theirs_p in ((our_layer.lora_A, their_layer.lora_A["default"].weight),
+                                 (our_layer.lora_B, their_layer.lora_B["default"].weight),
+                                 (our_layer.lora_magnitude_vector, their_layer.lora_magnitude_vector["default"].weight)):
+            assert torch.allclose(ours_p.grad, theirs_p.grad, rtol=1e-4, atol=1e-5)
+    theirs.eval(), ours.eval()
+    merged_theirs, merged_ours = theirs.merge_and_unload(), L.merge_and_unload(copy.deepcopy(ours))
+    for name in ("q_proj", "v_proj"):
+        assert torch.allclose(getattr(merged_ours, name).weight, getattr(merged_theirs, name).weight, atol=1e-5)
+    assert torch.allclose(merged_ours(x), ours(x), atol=1e-5)
+
+
+@pytest.mark.parametrize("targets", [("q_proj", "v_proj"), "all-linear"])
+def test_exported_llama_with_peft_adapters_computes_labkits_adapted_logits(tmp_path, targets):
+    """labkit's model exported as a Llama checkpoint; PEFT's adapters on transformers' model and labkit's on
+    labkit's, the same numbers in both (q/k rows reordered as the export reorders them): the same logits,
+    trainable counts and merged checkpoint."""
+    peft = import_peft()
+    pytest.importorskip("transformers", reason="transformers is not installed; the reference check is skipped")
+    from labkit.serving import hf
+
+    cfg = tiny_config(20, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=48)
+    torch.manual_seed(16)
+    model = TransformerLM(cfg)
+    their_model = hf.load_llama(hf.export_llama(model, tmp_path / "llama"))
+    their_targets = ["q_proj", "v_proj"] if targets != "all-linear" else "all-linear"
+    theirs = peft.get_peft_model(their_model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=their_targets))
+    ours = L.apply_lora(copy.deepcopy(model), targets, r=4, alpha=8)
+    assert L.trainable_parameters(ours)[0] == theirs.get_nb_trainable_parameters()[0]
+    hf_names = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+                "output_proj": "self_attn.o_proj", "w1": "mlp.gate_proj", "w3": "mlp.up_proj", "w2": "mlp.down_proj"}
+    gen = torch.Generator().manual_seed(17)
+    for name, layer in L.lora_layers(ours).items():
+        index, leaf = name.split(".")[1], name.rpartition(".")[2]
+        their_layer = theirs.base_model.model.model.layers[int(index)].get_submodule(hf_names[leaf])
+        with torch.no_grad():
+            layer.lora_A.normal_(generator=gen)
+            layer.lora_B.normal_(generator=gen).mul_(0.1)
+            b = layer.lora_B
+            if leaf in ("q_proj", "k_proj"):  # the export's rotate_half order of the rows
+                b = hf._rotate_half_rows(b, b.shape[0] // cfg.dim_per_head, cfg.dim_per_head)
+            their_layer.lora_A["default"].weight.copy_(layer.lora_A)
+            their_layer.lora_B["default"].weight.copy_(b)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=gen)
+    with torch.no_grad():
+        assert torch.allclose(theirs(ids).logits, ours(ids), atol=1e-4)
+    merged = hf.llama_state_dict(L.merge_and_unload(ours))
+    their_merged = theirs.merge_and_unload().state_dict()
+    assert set(merged) <= set(their_merged)
+    for key, weight in merged.items():
+        assert torch.allclose(weight, their_merged[key], atol=1e-5), key
+
+
+def test_dora_layer_starts_as_the_base_merges_and_unmerges():
+    base = nn.Linear(10, 6)
+    layer = L.DoRALinear(copy.deepcopy(base), r=2, alpha=4)
+    x = torch.randn(5, 10)
+    assert torch.allclose(layer(x), base(x), atol=1e-6)
+    assert torch.allclose(layer.lora_magnitude_vector, base.weight.norm(dim=1))
+    assert L.trainable_parameters(layer)[0] == 2 * (10 + 6) + 6
+    random_adapter(layer, seed=3)
+    with torch.no_grad():
+        layer.lora_magnitude_vector.mul_(1.5)
+    direction = base.weight + layer.scaling * layer.lora_B @ layer.lora_A
+    expected = x @ (1.5 * base.weight.norm(dim=1)[:, None] * direction / direction.norm(dim=1, keepdim=True)).T + base.bias
+    assert torch.allclose(layer(x), expected, atol=1e-5)
+    layer(x).sum().backward()
+    assert all(p.grad is not None for p in layer.adapter_parameters().values()) and base.weight.grad is None
+    layer.merge()
+    assert torch.allclose(layer(x), expected, atol=1e-5)
+    layer.unmerge()
+    assert torch.allclose(layer.base.weight, base.weight, atol=1e-6)
+    state = L.lora_state_dict(layer)
+    assert set(state) == {"lora_A", "lora_B", "lora_magnitude_vector"}
+
+
+def test_loraplus_groups_and_finetune_with_them():
+    model = L.apply_lora(small_model(), ("q_proj", "v_proj"), r=2, alpha=4)
+    slow, fast = L.loraplus_param_groups(model, 1e-3, lr_ratio=8)
+    layers = L.lora_layers(model).values()
+    assert {id(p) for p in slow["params"]} == {id(layer.lora_A) for layer in layers}
+    assert {id(p) for p in fast["params"]} == {id(layer.lora_B) for layer in layers}
+    assert slow["lr"] == 1e-3 and fast["lr"] == pytest.approx(8e-3)
+    with pytest.raises(ValueError, match="lr_ratio"):
+        L.loraplus_param_groups(model, 1e-3, lr_ratio=0)
+    with pytest.raises(ValueError, match="no LoRA adapter"):
+        L.loraplus_param_groups(small_model(), 1e-3)
+    task = L.subtraction_task()
+    result = L.finetune(model, task, steps=2, lr=1e-3, batch_size=4, loraplus_lr_ratio=8)
+    assert len(result["loss"]) == 2
+    with pytest.raises(ValueError, match="give targets"):
+        L.finetune_run(small_model(), task, task, None, lr=1e-3, steps=1, use_dora=True)
+
+
+def test_dora_over_a_4bit_base_is_dora_over_its_dequantized_weight():
+    torch.manual_seed(18)
+    quant = Q.QuantLinear.from_linear(Linear(128, 48), "nf4", group_size=64)
+    plain = Linear(128, 48)
+    with torch.no_grad():
+        plain.weight.copy_(quant.dequantized_weight())
+    over_quant, over_plain = L.DoRALinear(quant, r=4, alpha=8), L.DoRALinear(plain, r=4, alpha=8)
+    random_adapter(over_quant, seed=4)
+    random_adapter(over_plain, seed=4)
+    x = torch.randn(6, 128, requires_grad=True)
+    assert torch.allclose(over_quant(x), over_plain(x), atol=1e-5)
+    merged = over_quant.merged_linear()
+    assert torch.allclose(merged(x), over_plain(x), atol=1e-5)
