@@ -21,9 +21,9 @@ LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.d/labkit.json
 PORTABLE_ENV := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 OMP_NUM_THREADS=2
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 # make test-load: the chapters whose claims rest on a time on the CPU (chapter 03: cached decoding at least 2x
-# faster; its GQA speed-up is asserted on CUDA only), and how long its busy processes may spin at most (they end
-# with the run).
-LOAD_NOTEBOOKS ?= notebooks/00_foundations.ipynb notebooks/03_attention_kv_cache.ipynb \
+# faster; its GQA speed-up is asserted on CUDA only; chapter 12: continuous batching at least 2x static's tokens/s),
+# and how long its busy processes may spin at most (they end with the run).
+LOAD_NOTEBOOKS ?= notebooks/00_foundations.ipynb notebooks/03_attention_kv_cache.ipynb notebooks/12_serving.ipynb \
                   notebooks/09_hardware_performance.ipynb notebooks/11_tokenization_data.ipynb
 LOAD_SECONDS   ?= 900
 # After a test command (pass or fail, keeping its exit status): the claims with the least headroom in its claims log.

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from labkit.attention_variants import PagedKVCache, paged_attention
-from labkit.kernels.paged_attention import paged_attention_reference, paged_attention_triton, paged_attention_varlen
+from labkit.kernels.paged_attention import (PagedAttentionPlan, paged_attention_reference, paged_attention_triton,
+                                            paged_attention_varlen)
 from labkit.runtime import triton_mode
 
 KERNEL_DEVICE = "cuda" if triton_mode() == "compiled" else "cpu"
@@ -117,6 +118,60 @@ def test_single_sequence_equals_chapter_03_paged_attention():
     args = (q.transpose(0, 1), cache.k[0], cache.v[0], table, torch.zeros(3, dtype=torch.long), positions)
     for fn in (paged_attention_varlen, paged_attention_triton):
         torch.testing.assert_close(fn(*args).transpose(0, 1), expected, rtol=1e-5, atol=1e-6)
+
+
+def decode_batch(seed, num_seqs, shuffled, block_size=4, num_kv_heads=2, group=2, head_dim=8):
+    """A step where every token decodes (one per sequence, what the engine runs most): in sequence order or not."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 3 * num_seqs
+    k_pool, v_pool = (torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=gen) for _ in range(2))
+    tables = torch.randperm(num_blocks, generator=gen).view(num_seqs, 3).int()
+    seq_index = torch.randperm(num_seqs, generator=gen) if shuffled else torch.arange(num_seqs)
+    positions = torch.randint(0, 3 * block_size, (num_seqs,), generator=gen)
+    q = torch.randn(num_seqs, num_kv_heads * group, head_dim, generator=gen)
+    return [q, k_pool, v_pool, tables, seq_index, positions]
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_decode_only_batches(shuffled):
+    for seed in range(3):
+        batch = decode_batch(seed, num_seqs=5, shuffled=shuffled)
+        torch.testing.assert_close(paged_attention_varlen(*batch), independent_reference(*batch).float(),
+                                   rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("make", [lambda seed: ragged_batch(seed, num_seqs=4, num_blocks=20),
+                                  lambda seed: decode_batch(seed, num_seqs=4, shuffled=False),
+                                  lambda seed: decode_batch(seed, num_seqs=4, shuffled=True)])
+def test_plan_reused_across_layers_equals_checked_path(make):
+    """One plan per step, its attend per layer (other pools, other queries, a scale): bit for bit the public,
+    fully checked function's result."""
+    for seed in range(3):
+        q, k_pool, v_pool, tables, seq_index, positions = make(seed)
+        plan = PagedAttentionPlan(tables, seq_index, positions, *k_pool.shape[:3])
+        gen = torch.Generator().manual_seed(100 + seed)
+        for layer in range(3):
+            q_l, k_l, v_l = (torch.randn(t.shape, generator=gen) for t in (q, k_pool, v_pool))
+            scale = None if layer < 2 else 0.3
+            expected = paged_attention_varlen(q_l, k_l, v_l, tables, seq_index, positions, scale)
+            assert torch.equal(plan.attend(q_l, k_l, v_l, scale), expected)
+            assert torch.equal(paged_attention_reference(q_l, k_l, v_l, tables, seq_index, positions, scale), expected)
+
+
+def test_plan_bad_inputs():
+    q, k_pool, v_pool, tables, seq_index, positions = ragged_batch(0)
+    plan = PagedAttentionPlan(tables, seq_index, positions, *k_pool.shape[:3])
+    for args, name in (((q[:-1], k_pool, v_pool), "q"), ((q, k_pool[:-1], v_pool[:-1]), "k_pool"),
+                       ((q, k_pool, v_pool[..., :4]), "v_pool"), ((q.double(), k_pool, v_pool), "q")):
+        with pytest.raises((ValueError, TypeError), match=name):
+            plan.attend(*args)
+    for dims, name in (((0, 2, 4), "num_blocks"), ((16, 2.0, 4), "num_kv_heads"), ((16, 2, True), "block_size")):
+        with pytest.raises(ValueError, match=name):
+            PagedAttentionPlan(tables, seq_index, positions, *dims)
+    with pytest.raises(ValueError, match="block_tables"):
+        PagedAttentionPlan(tables, seq_index, positions, 3, 2, 4)  # fewer blocks than the tables name
+    with pytest.raises(ValueError, match="block_tables"):
+        PagedAttentionPlan(tables[:, :0], seq_index, positions, 16, 2, 4)
 
 
 def test_bad_inputs():

@@ -18,15 +18,22 @@ share each K/V block load, which is GQA's saving. Scores are a broadcast multipl
 row has one query per head, far below a tensor-core tile, and any power-of-two block size works. Every tile is upcast
 to fp32 at load (accurate, and what Triton's CPU interpreter computes correctly for bf16).
 
-Torch path (:func:`paged_attention_reference`, what the public function runs off the GPU): per sequence, gather its
-blocks into a contiguous ``[num_kv_heads, length, head_dim]`` (one indexing op for all sequences), place its query
-rows in a padded ``[num_seqs, num_heads, rows, head_dim]`` batch and run one masked SDPA (``enable_gqa``); decode rows
-(one per sequence) and prefill chunks are batched separately so one long chunk does not pad every decode row to its
-length.
+Torch path (:func:`paged_attention_reference`, what the public function runs off the GPU): per sequence, one
+``index_select`` over the pool's rows gathers its keys (and one its values) as ``[num_kv_heads, length, head_dim]``
+(slots past a sequence's own keys re-read its key 0, so they are finite, and the mask hides them: no zeroed copy);
+its query rows go in a padded ``[num_seqs, num_heads, rows, head_dim]`` batch and one masked SDPA (``enable_gqa``)
+runs for all; decode rows (one per sequence) and prefill chunks are batched separately so one long chunk does not
+pad every decode row to its length.
+
+Checks: :func:`paged_attention_varlen` checks everything a learner can get wrong (arguments named in the error), the
+value ranges in one host sync. An engine step's layers share one batch's tables: :class:`PagedAttentionPlan` checks
+them and computes the torch path's gather indices and masks once; its ``attend`` per layer checks only shapes,
+dtypes and devices.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -44,61 +51,114 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 # ----------------------------------------------------------------------------- torch path
-def _sequences_of(seq_index, positions):
-    """``(sequences, keys_per_seq, row_of_token)``: the distinct sequences the tokens touch, how many key positions
-    each needs (its largest query position + 1) and each token's index into ``sequences``."""
-    sequences, row_of_token = torch.unique(seq_index, return_inverse=True)
-    keys_per_seq = torch.zeros(len(sequences), dtype=torch.long, device=positions.device)
-    keys_per_seq.scatter_reduce_(0, row_of_token, positions.long() + 1, reduce="amax")
-    return sequences, keys_per_seq, row_of_token
+@dataclass(frozen=True)
+class _RowGroup:
+    """One batched SDPA of the torch path over ``num_seqs = visible.shape[0]`` sequences: ``slots``
+    ``[num_seqs * num_kv_heads * keys]`` index the pool viewed as ``[num_blocks * num_kv_heads * block_size,
+    head_dim]`` (one gather gives K or V as ``[num_seqs, num_kv_heads, keys, head_dim]``), ``visible``
+    ``[num_seqs, 1, rows, keys]`` is the causal mask. Decode rows (``rank`` None): sequence ``i`` is token
+    ``tokens[i]``'s (``tokens`` None: the whole batch, in order). Prefill chunks: token ``tokens[i]`` is query row
+    ``rank[i]`` of sequence ``token_seq[i]``."""
+
+    tokens: torch.Tensor | None
+    token_seq: torch.Tensor | None
+    rank: torch.Tensor | None
+    slots: torch.Tensor
+    visible: torch.Tensor
+    rows: int
 
 
-def _attend_padded(q, k_pool, v_pool, tables, keys_per_seq, token_seq, token_pos, scale):
-    """Attention of the tokens ``q [n, Hq, D]`` (token ``i`` of sequence ``token_seq[i]`` of ``tables``, at
-    ``token_pos[i]``) with one gather and one SDPA: sequences' rows padded to the longest, keys to the longest."""
-    num_seqs, block_size = tables.shape[0], k_pool.shape[2]
-    num_keys = int(keys_per_seq.max())
-    tables = tables[:, : -(-num_keys // block_size)].clamp(0, k_pool.shape[0] - 1)  # padding entries: any value,
-    # [S, blocks, Hkv, bs, D] -> [S, Hkv, blocks * bs, D], cut to the longest sequence's keys
-    k = k_pool[tables].transpose(1, 2).flatten(2, 3)[:, :, :num_keys]
-    v = v_pool[tables].transpose(1, 2).flatten(2, 3)[:, :, :num_keys]
-    key_pos = torch.arange(num_keys, device=q.device)
-    written = (key_pos[None, :] < keys_per_seq[:, None])[:, None, :, None]  # and slots past a sequence's keys may
-    k, v = torch.where(written, k, 0.0), torch.where(written, v, 0.0)  # hold anything (even NaN): never let them in
-    # each token's row within its sequence: its rank among the tokens of that sequence
-    order = torch.argsort(token_seq, stable=True)
-    counts = torch.bincount(token_seq, minlength=num_seqs)
-    starts = torch.cumsum(counts, 0) - counts
-    rank = torch.empty_like(token_seq)
-    rank[order] = torch.arange(len(token_seq), device=q.device) - starts[token_seq[order]]
-    rows = int(counts.max())
-    q_padded = q.new_zeros((num_seqs, rows, q.shape[1], q.shape[2]))
-    q_padded[token_seq, rank] = q
-    pos_padded = torch.zeros((num_seqs, rows), dtype=torch.long, device=q.device)  # padding rows see key 0: no NaN
-    pos_padded[token_seq, rank] = token_pos
-    visible = key_pos[None, None, :] <= pos_padded[:, :, None]  # [S, rows, keys]
-    out = F.scaled_dot_product_attention(q_padded.transpose(1, 2), k, v, attn_mask=visible[:, None], scale=scale,
-                                         enable_gqa=True)
-    return out.transpose(1, 2)[token_seq, rank]
+def _row_groups(block_tables, seq_index, positions, num_kv_heads: int, block_size: int) -> tuple:
+    """The torch path's index work for one batch (it depends on neither q nor the pools' contents): decode rows (the
+    one token of a sequence) in one group, prefill chunks in another, so one long chunk does not pad every decode row
+    to its length. A group's keys run to its longest sequence's; the slots past a sequence's own keys read its key 0
+    (written, so finite) and the mask hides them: no copy of K/V is ever zeroed."""
+    device = seq_index.device
+    seq_index, positions = seq_index.long(), positions.long()
+    num_tokens, num_rows = seq_index.shape[0], block_tables.shape[0]
+    keys_per_seq = torch.zeros(num_rows, dtype=torch.long, device=device)
+    keys_per_seq.scatter_reduce_(0, seq_index, positions + 1, reduce="amax")
+    rows_per_seq = torch.bincount(seq_index, minlength=num_rows)
+    rows_host, keys_host = torch.stack([rows_per_seq, keys_per_seq]).tolist()  # one sync: the groups' shapes
+    head_offsets = torch.arange(num_kv_heads, device=device)[None, :, None] * block_size
+
+    def slots_and_mask(seqs, lengths, num_keys):
+        """Pool rows of sequences ``seqs``' first ``num_keys`` keys (key 0 again past a sequence's ``lengths``)."""
+        key_pos = torch.arange(num_keys, device=device)
+        written = key_pos[None, :] < lengths[:, None]
+        source = key_pos * written
+        blocks = block_tables[seqs].long().gather(1, source // block_size)
+        slots = (blocks * (num_kv_heads * block_size) + source % block_size)[:, None, :] + head_offsets
+        return slots.reshape(-1), key_pos, written
+
+    groups = []
+    decode_seqs = [s for s, r in enumerate(rows_host) if r == 1]
+    if decode_seqs:
+        if len(decode_seqs) == num_tokens:  # every token decodes: the SDPA batch is the token order
+            tokens, seqs, token_pos = None, seq_index, positions
+        else:
+            tokens = torch.nonzero(rows_per_seq[seq_index] == 1).squeeze(1)
+            seqs, token_pos = seq_index[tokens], positions[tokens]
+        slots, _, written = slots_and_mask(seqs, token_pos + 1, max(keys_host[s] for s in decode_seqs))
+        groups.append(_RowGroup(tokens, None, None, slots, written[:, None, None, :], 1))
+    prefill_seqs = [s for s, r in enumerate(rows_host) if r > 1]
+    if prefill_seqs:
+        seqs = torch.tensor(prefill_seqs, dtype=torch.long, device=device)
+        tokens = torch.nonzero(rows_per_seq[seq_index] > 1).squeeze(1)
+        slot_of_seq = torch.empty(num_rows, dtype=torch.long, device=device)
+        slot_of_seq[seqs] = torch.arange(len(prefill_seqs), device=device)
+        token_seq = slot_of_seq[seq_index[tokens]]
+        # each token's row within its sequence: its rank among the tokens of that sequence
+        order = torch.argsort(token_seq, stable=True)
+        counts = torch.bincount(token_seq, minlength=len(prefill_seqs))
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.empty_like(token_seq)
+        rank[order] = torch.arange(len(token_seq), device=device) - starts[token_seq[order]]
+        rows = max(rows_host[s] for s in prefill_seqs)
+        slots, key_pos, _ = slots_and_mask(seqs, keys_per_seq[seqs], max(keys_host[s] for s in prefill_seqs))
+        pos_padded = torch.zeros((len(prefill_seqs), rows), dtype=torch.long, device=device)  # padding rows see key 0
+        pos_padded[token_seq, rank] = positions[tokens]
+        visible = key_pos[None, None, :] <= pos_padded[:, :, None]  # [S, rows, keys]
+        groups.append(_RowGroup(tokens, token_seq, rank, slots, visible[:, None], rows))
+    return tuple(groups)
+
+
+def _attend_groups(q, k_pool, v_pool, groups, scale: float):
+    """The torch path over precomputed :func:`_row_groups`: per group one gather of K, one of V and one SDPA."""
+    num_heads, head_dim = q.shape[1:]
+    # pool rows [num_blocks * num_kv_heads * block_size, head_dim] (a view: the engine's pools are contiguous)
+    k_rows = (k_pool if k_pool.is_contiguous() else k_pool.contiguous()).view(-1, head_dim)
+    v_rows = (v_pool if v_pool.is_contiguous() else v_pool.contiguous()).view(-1, head_dim)
+    out = None
+    for group in groups:
+        num_seqs = group.visible.shape[0]
+        kv_shape = (num_seqs, k_pool.shape[1], group.visible.shape[-1], head_dim)
+        k = k_rows.index_select(0, group.slots).view(kv_shape)
+        v = v_rows.index_select(0, group.slots).view(kv_shape)
+        if group.rank is None:  # decode rows: one query per sequence
+            q_padded = (q if group.tokens is None else q[group.tokens])[:, :, None]
+        else:
+            q_padded = q.new_zeros((num_seqs, group.rows, num_heads, head_dim))
+            q_padded[group.token_seq, group.rank] = q[group.tokens]
+            q_padded = q_padded.transpose(1, 2)
+        attended = F.scaled_dot_product_attention(q_padded, k, v, attn_mask=group.visible, scale=scale,
+                                                  enable_gqa=True)
+        if group.rank is None and group.tokens is None:  # the whole batch: nothing to scatter
+            return attended[:, :, 0]
+        out = torch.empty_like(q) if out is None else out
+        if group.rank is None:
+            out[group.tokens] = attended[:, :, 0]
+        else:
+            out[group.tokens] = attended.transpose(1, 2)[group.token_seq, group.rank]
+    return out
 
 
 def paged_attention_reference(q, k_pool, v_pool, block_tables, seq_index, positions, scale: float | None = None):
-    """:func:`paged_attention_varlen` in PyTorch (gathers each sequence's blocks, then one batched attention per
-    kind of row: decode rows together, prefill chunks together); same contract, no input checks."""
+    """:func:`paged_attention_varlen` in PyTorch (gathers each sequence's keys and values, then one batched attention
+    per kind of row: decode rows together, prefill chunks together); same contract, no input checks."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    positions, seq_index = positions.long(), seq_index.long()
-    sequences, keys_per_seq, row_of_token = _sequences_of(seq_index, positions)
-    tables = block_tables[sequences].long()
-    out = torch.empty_like(q)
-    rows_per_seq = torch.bincount(row_of_token, minlength=len(sequences))
-    decode_row = rows_per_seq[row_of_token] == 1
-    for tokens in (decode_row, ~decode_row):
-        if not tokens.any():
-            continue
-        seqs_here, token_seq = torch.unique(row_of_token[tokens], return_inverse=True)
-        out[tokens] = _attend_padded(q[tokens], k_pool, v_pool, tables[seqs_here], keys_per_seq[seqs_here],
-                                     token_seq, positions[tokens], scale)
-    return out
+    groups = _row_groups(block_tables, seq_index, positions, k_pool.shape[1], k_pool.shape[2])
+    return _attend_groups(q, k_pool, v_pool, groups, scale)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -153,7 +213,8 @@ def _paged_attention_kernel(
 
 def paged_attention_triton(q, k_pool, v_pool, block_tables, seq_index, positions, scale: float | None = None):
     """:func:`paged_attention_varlen` through labkit's Triton kernel (compiled on CUDA, interpreted on the CPU)."""
-    scale = _validate(q, k_pool, v_pool, block_tables, seq_index, positions, scale)
+    scale = _check_operands(q, k_pool, v_pool, scale)
+    _check_plan_fits(PagedAttentionPlan(block_tables, seq_index, positions, *k_pool.shape[:3]), q, k_pool, v_pool)
     return _launch(q, k_pool, v_pool, block_tables, seq_index, positions, scale)
 
 
@@ -184,9 +245,10 @@ def _launch(q, k_pool, v_pool, block_tables, seq_index, positions, scale: float)
 
 
 # ----------------------------------------------------------------------------- public
-def _validate(q, k_pool, v_pool, block_tables, seq_index, positions, scale) -> float:
-    for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool), ("block_tables", block_tables),
-                    ("seq_index", seq_index), ("positions", positions)):
+def _check_operands(q, k_pool, v_pool, scale) -> float:
+    """The checks of q, the pools and scale: shapes, dtypes and types only (no values read, no host sync).
+    Returns the scale."""
+    for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if q.dim() != 3:
@@ -203,37 +265,97 @@ def _validate(q, k_pool, v_pool, block_tables, seq_index, positions, scale) -> f
         raise ValueError(f"q, k_pool: head_dim must match, got q {tuple(q.shape)} and k_pool {tuple(k_pool.shape)}")
     if q.shape[1] % k_pool.shape[1]:
         raise ValueError(f"q, k_pool: num_heads={q.shape[1]} must be a multiple of num_kv_heads={k_pool.shape[1]}")
-    if block_tables.dim() != 2 or block_tables.dtype not in INDEX_DTYPES:
-        raise ValueError(f"block_tables: expected int32/int64 [num_seqs, max_blocks_per_seq], "
-                         f"got {block_tables.dtype} of shape {tuple(block_tables.shape)}")
-    for name, t in (("seq_index", seq_index), ("positions", positions)):
-        if t.dim() != 1 or t.dtype not in INDEX_DTYPES or t.shape[0] != q.shape[0]:
-            raise ValueError(f"{name}: expected int32/int64 [tokens={q.shape[0]}], "
-                             f"got {t.dtype} of shape {tuple(t.shape)}")
-    devices = {t.device for t in (q, k_pool, v_pool, block_tables, seq_index, positions)}
-    if len(devices) > 1:
-        raise ValueError(f"q, k_pool, v_pool, block_tables, seq_index, positions: expected one device, got {devices}")
     if q.shape[0] == 0:
         raise ValueError("q: expected at least one query token, got 0")
-    num_seqs, max_blocks = block_tables.shape
-    if int(seq_index.min()) < 0 or int(seq_index.max()) >= num_seqs:
-        raise ValueError(f"seq_index: expected values in [0, {num_seqs}) (rows of block_tables), "
-                         f"got [{int(seq_index.min())}, {int(seq_index.max())}]")
-    block_size = k_pool.shape[2]
-    if int(positions.min()) < 0 or int(positions.max()) >= max_blocks * block_size:
-        raise ValueError(f"positions: expected values in [0, {max_blocks * block_size}) (max_blocks_per_seq * "
-                         f"block_size), got [{int(positions.min())}, {int(positions.max())}]")
-    sequences, keys_per_seq, _ = _sequences_of(seq_index.long(), positions)
-    used = torch.arange(max_blocks, device=q.device)[None, :] * block_size < keys_per_seq[:, None]
-    entries = block_tables[sequences][used]
-    if int(entries.min()) < 0 or int(entries.max()) >= k_pool.shape[0]:
-        raise ValueError(f"block_tables: the blocks the tokens read must be in [0, num_blocks={k_pool.shape[0]}), "
-                         f"got [{int(entries.min())}, {int(entries.max())}]")
     if scale is None:
         return 1.0 / math.sqrt(q.shape[2])
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"scale={scale!r}: expected a positive number (default 1/sqrt(head_dim))")
     return float(scale)
+
+
+def _check_indices(block_tables, seq_index, positions, num_blocks: int, block_size: int) -> None:
+    """The checks of a batch's block tables, seq_index and positions; every range check shares one host sync."""
+    for name, t in (("block_tables", block_tables), ("seq_index", seq_index), ("positions", positions)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if block_tables.dim() != 2 or block_tables.dtype not in INDEX_DTYPES or 0 in block_tables.shape:
+        raise ValueError(f"block_tables: expected int32/int64 [num_seqs >= 1, max_blocks_per_seq >= 1], "
+                         f"got {block_tables.dtype} of shape {tuple(block_tables.shape)}")
+    for name, t in (("seq_index", seq_index), ("positions", positions)):
+        if t.dim() != 1 or t.dtype not in INDEX_DTYPES:
+            raise ValueError(f"{name}: expected int32/int64 [tokens], got {t.dtype} of shape {tuple(t.shape)}")
+    if seq_index.shape != positions.shape:
+        raise ValueError(f"seq_index, positions: expected one entry per token each, "
+                         f"got {seq_index.shape[0]} and {positions.shape[0]}")
+    if seq_index.shape[0] == 0:
+        raise ValueError("seq_index, positions: expected at least one token, got 0")
+    devices = {t.device for t in (block_tables, seq_index, positions)}
+    if len(devices) > 1:
+        raise ValueError(f"block_tables, seq_index, positions: expected one device, got {devices}")
+    num_seqs, max_blocks = block_tables.shape
+    max_len = max_blocks * block_size
+    # the blocks the tokens read (clamped indices: out-of-range ones are reported below, before these ranges)
+    keys_per_seq = torch.zeros(num_seqs, dtype=torch.long, device=seq_index.device)
+    keys_per_seq.scatter_reduce_(0, seq_index.long().clamp(0, num_seqs - 1), positions.long().clamp(0, max_len - 1) + 1,
+                                 reduce="amax")
+    read = torch.arange(max_blocks, device=seq_index.device)[None, :] * block_size < keys_per_seq[:, None]
+    tables = block_tables.long()
+    ranges = torch.stack([*torch.aminmax(seq_index.long()), *torch.aminmax(positions.long()),
+                          torch.where(read, tables, num_blocks).amin(), torch.where(read, tables, -1).amax()])
+    seq_lo, seq_hi, pos_lo, pos_hi, block_lo, block_hi = ranges.tolist()
+    if seq_lo < 0 or seq_hi >= num_seqs:
+        raise ValueError(f"seq_index: expected values in [0, {num_seqs}) (rows of block_tables), "
+                         f"got [{seq_lo}, {seq_hi}]")
+    if pos_lo < 0 or pos_hi >= max_len:
+        raise ValueError(f"positions: expected values in [0, {max_len}) (max_blocks_per_seq * block_size), "
+                         f"got [{pos_lo}, {pos_hi}]")
+    if block_lo < 0 or block_hi >= num_blocks:
+        raise ValueError(f"block_tables: the blocks the tokens read must be in [0, num_blocks={num_blocks}), "
+                         f"got [{block_lo}, {block_hi}]")
+
+
+class PagedAttentionPlan:
+    """Everything :func:`paged_attention_varlen` works out from ``block_tables``, ``seq_index`` and ``positions``
+    alone (their checks, and the torch path's gather indices and masks), done once and reused: an engine step's
+    layers all attend through the same tables, so it builds one plan per step and calls :meth:`attend` per layer.
+    ``num_blocks``, ``num_kv_heads``, ``block_size``: the pools' first three dims (``PagedKVCache.k.shape[1:4]``)."""
+
+    def __init__(self, block_tables, seq_index, positions, num_blocks: int, num_kv_heads: int, block_size: int):
+        for name, value in (("num_blocks", num_blocks), ("num_kv_heads", num_kv_heads), ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: expected an integer >= 1")
+        _check_indices(block_tables, seq_index, positions, num_blocks, block_size)
+        self.block_tables, self.seq_index, self.positions = block_tables, seq_index, positions
+        self.pool_dims = (num_blocks, num_kv_heads, block_size)
+        self._groups = None  # the torch path's, built on its first use (the kernel needs none)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seq_index.shape[0]
+
+    def attend(self, q, k_pool, v_pool, scale: float | None = None):
+        """:func:`paged_attention_varlen` of ``q`` over one layer's pools, through this plan's tables; checks only
+        shapes, dtypes and devices (no host sync)."""
+        scale = _check_operands(q, k_pool, v_pool, scale)
+        _check_plan_fits(self, q, k_pool, v_pool)
+        if q.is_cuda and triton_mode() == "compiled" and q.dtype in SUPPORTED_DTYPES:
+            return _launch(q, k_pool, v_pool, self.block_tables, self.seq_index, self.positions, scale)
+        if self._groups is None:
+            self._groups = _row_groups(self.block_tables, self.seq_index, self.positions, *self.pool_dims[1:])
+        return _attend_groups(q, k_pool, v_pool, self._groups, scale)
+
+
+def _check_plan_fits(plan: PagedAttentionPlan, q, k_pool, v_pool) -> None:
+    if tuple(k_pool.shape[:3]) != plan.pool_dims:
+        raise ValueError(f"k_pool: expected [num_blocks, num_kv_heads, block_size] = {plan.pool_dims} (the plan's), "
+                         f"got shape {tuple(k_pool.shape)}")
+    if q.shape[0] != plan.num_tokens:
+        raise ValueError(f"q: expected {plan.num_tokens} tokens (seq_index's and positions' length), "
+                         f"got shape {tuple(q.shape)}")
+    devices = {t.device for t in (q, k_pool, v_pool, plan.seq_index)}
+    if len(devices) > 1:
+        raise ValueError(f"q, k_pool, v_pool, block_tables, seq_index, positions: expected one device, got {devices}")
 
 
 def paged_attention_varlen(q, k_pool, v_pool, block_tables, seq_index, positions, scale: float | None = None):
@@ -245,8 +367,6 @@ def paged_attention_varlen(q, k_pool, v_pool, block_tables, seq_index, positions
     positions ``[T]`` its absolute position: it sees key positions ``0 .. positions[t]``. ``scale`` defaults to
     ``1/sqrt(head_dim)``. Returns ``[T, num_heads, head_dim]`` in q's dtype. On CUDA (Triton compiled, fp32/fp16/bf16)
     labkit's kernel reads the blocks in place; elsewhere :func:`paged_attention_reference` computes the same in
-    PyTorch."""
-    scale = _validate(q, k_pool, v_pool, block_tables, seq_index, positions, scale)
-    if q.is_cuda and triton_mode() == "compiled" and q.dtype in SUPPORTED_DTYPES:
-        return _launch(q, k_pool, v_pool, block_tables, seq_index, positions, scale)
-    return paged_attention_reference(q, k_pool, v_pool, block_tables, seq_index, positions, scale)
+    PyTorch. Several layers over the same tables: build one :class:`PagedAttentionPlan` and call its ``attend``."""
+    _check_operands(q, k_pool, v_pool, scale)  # before the plan reads k_pool's shape
+    return PagedAttentionPlan(block_tables, seq_index, positions, *k_pool.shape[:3]).attend(q, k_pool, v_pool, scale)

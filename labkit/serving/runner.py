@@ -5,7 +5,8 @@ chunk per request being prefilled), concatenated into one sequence of ``T`` toke
 projections, MLP (or MoE) and LM head each run ONCE on ``[T, d_model]``, whatever mix of requests the tokens come
 from. Only attention needs to know which request a token belongs to: each token's key and value are written into
 its slot of the paged KV pool, then every query reads its own request's keys through that request's block table
-(:func:`labkit.kernels.paged_attention.paged_attention_varlen`). RoPE rotates by each token's absolute position, so
+(:func:`labkit.kernels.paged_attention.paged_attention_varlen`, through a :class:`~labkit.kernels.paged_attention.PagedAttentionPlan`
+built once per step and shared by the layers). RoPE rotates by each token's absolute position, so
 a token computes the same thing whether it comes in a prefill, a chunk or a decode. Logits are computed only for
 the rows that need them (each request's last scheduled token): the LM head is the largest matmul of a small model.
 """
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from labkit.attention_variants import PagedKVCache
-from labkit.kernels.paged_attention import paged_attention_varlen
+from labkit.kernels.paged_attention import PagedAttentionPlan
 from labkit.model import TransformerLM
 
 __all__ = ["PackedBatch", "pack_batch", "forward_packed"]
@@ -104,6 +105,8 @@ def _forward(model: TransformerLM, cache: PagedKVCache, batch: PackedBatch) -> t
     num_tokens = batch.num_tokens
     positions = batch.positions
     x = model.token_embeddings(batch.token_ids)  # [T, d_model]
+    # Every layer attends through the same block tables: their checks and gather indices are worked out once per step.
+    plan = PagedAttentionPlan(batch.block_tables, batch.seq_index, positions, *cache.k.shape[1:4])
     for layer_idx, layer in enumerate(model.layers):
         attn = layer.attn
         h = layer.ln1(x)
@@ -117,7 +120,7 @@ def _forward(model: TransformerLM, cache: PagedKVCache, batch: PackedBatch) -> t
         k_pool, v_pool = cache.k[layer_idx], cache.v[layer_idx]
         k_pool[batch.slot_blocks, :, batch.slot_offsets] = k  # advanced indices first: [T, kv_heads, head_dim]
         v_pool[batch.slot_blocks, :, batch.slot_offsets] = v
-        out = paged_attention_varlen(q, k_pool, v_pool, batch.block_tables, batch.seq_index, positions)
+        out = plan.attend(q, k_pool, v_pool)
         x = x + attn.output_proj(out.reshape(num_tokens, attn.num_heads * attn.head_dim))
         x = x + layer.ffn(layer.ln2(x))
     last = x[batch.logits_rows]
