@@ -119,7 +119,8 @@ def test_the_stored_chapters_carry_current_navigation_lines():
 
 
 def test_a_chapter_marked_after_another_is_read_right_after_it(course):
-    chapters = [read_chapter(p) for p in course]
+    # in number order first (chapter 11 is itself marked "after 00"), then the last chapter moved behind 00
+    chapters = [navigation.Chapter(**{**read_chapter(p).__dict__, "after": None}) for p in course]
     last = chapters[-1]
     moved = navigation.reading_order([*chapters[:-1], navigation.Chapter(**{**last.__dict__, "after": "00"})])
     assert [c.number for c in moved[:2]] == ["00", last.number]
