@@ -1,5 +1,6 @@
 """labkit.serving.hf: labkit's model as a Llama checkpoint that Hugging Face loads with equal logits, static
 batches through `generate` whose greedy tokens equal labkit's, and the vLLM command."""
+import copy
 import json
 import shlex
 import subprocess
@@ -8,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from labkit import lora as L
 from labkit.experts import MoEConfig
 from labkit.model import TransformerLM, generate, tiny_config
 from labkit.serving import hf
@@ -96,6 +98,62 @@ def test_export_keeps_the_weights_dtype(tmp_path):
     from safetensors.torch import load_file
 
     assert {t.dtype for t in load_file(tmp_path / "model.safetensors").values()} == {torch.bfloat16}
+
+
+def random_adapters(model, seed: int):
+    """Non-zero adapters (B starts at zero) and, for DoRA, magnitudes away from ||W0||."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in (p for layer in L.lora_layers(model).values() for p in layer.adapter_parameters().values()):
+            parameter.mul_(1 + 0.3 * torch.rand(parameter.shape, generator=gen)).add_(0.1 * torch.randn(parameter.shape, generator=gen))
+    return model
+
+
+@pytest.mark.parametrize("name", ["mha", "head-dim"])
+def test_llama_lora_weights_merge_into_the_exported_weights(name):
+    """W0 + scaling * B A in Llama's layout is the export of the merged model: right names, q/k rows reordered."""
+    base = random_model(5, **CONFIGS[name])
+    ours = random_adapters(L.apply_lora(copy.deepcopy(base), "all-linear", r=3, alpha=6), seed=6)
+    adapters, before = hf.llama_lora_weights(ours), hf.llama_state_dict(base)
+    merged = hf.llama_state_dict(L.merge_and_unload(copy.deepcopy(ours)))
+    assert len(adapters) == 2 * len(L.lora_layers(ours)) == 2 * 7 * base.config.num_layers
+    for key, weight in merged.items():
+        if key.endswith("_proj.weight"):
+            prefix = "base_model.model." + key.removesuffix(".weight")
+            a, b = adapters[prefix + ".lora_A.weight"], adapters[prefix + ".lora_B.weight"]
+            torch.testing.assert_close(weight, before[key] + 2.0 * b @ a, atol=1e-5, rtol=1e-5)
+        else:
+            assert torch.equal(weight, before[key])
+
+
+def test_llama_lora_weights_are_what_peft_saves_and_loads(tmp_path):
+    """The same names and shapes as PEFT's own adapter state dict (DoRA's magnitudes too), and loaded with
+    set_peft_model_state_dict the adapted Llama computes labkit's logits."""
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    base = random_model(7, **CONFIGS["gqa"])
+    for use_dora in (False, True):
+        ours = random_adapters(L.apply_lora(copy.deepcopy(base), ("q_proj", "k_proj", "w2"), r=2, alpha=4,
+                                            use_dora=use_dora), seed=8)
+        llama = hf.load_llama(hf.export_llama(base, tmp_path / f"dora-{use_dora}"))
+        theirs = peft.get_peft_model(llama, peft.LoraConfig(r=2, lora_alpha=4, use_dora=use_dora,
+                                                            target_modules=["q_proj", "k_proj", "down_proj"]))
+        weights = hf.llama_lora_weights(ours)
+        expected = peft.get_peft_model_state_dict(theirs)
+        assert {k: v.shape for k, v in weights.items()} == {k: v.shape for k, v in expected.items()}
+        assert not peft.set_peft_model_state_dict(theirs, weights).unexpected_keys
+        tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(9))
+        with torch.no_grad():
+            torch.testing.assert_close(theirs(tokens).logits, ours(tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_llama_lora_weights_refuses_what_it_cannot_name():
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        hf.llama_lora_weights(random_model(0))
+    with pytest.raises(ValueError, match="lm_head"):
+        hf.llama_lora_weights(L.apply_lora(random_model(0), "lm_head", r=2, alpha=4))
+    with pytest.raises(TypeError, match="TransformerLM"):
+        hf.llama_lora_weights(L.apply_lora(torch.nn.Sequential(torch.nn.Linear(4, 4)), "0", r=2, alpha=4))
 
 
 @pytest.mark.parametrize("overrides, field", [

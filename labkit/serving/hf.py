@@ -18,13 +18,14 @@ from pathlib import Path
 
 import torch
 
+from labkit import lora as L
 from labkit.model import TransformerLM
 from labkit.nn import rotate_half_permutation
 from labkit.serving.engine import RequestOutput
 from labkit.serving.workload import ServeResult, WorkloadRequest
 
 __all__ = [
-    "llama_config", "llama_state_dict", "export_llama", "load_llama",
+    "llama_config", "llama_state_dict", "llama_lora_weights", "export_llama", "load_llama",
     "hf_static_generate", "vllm_serve_command",
 ]
 
@@ -91,29 +92,72 @@ def _rotate_half_rows(weight: torch.Tensor, num_heads: int, head_dim: int) -> to
     return weight.view(num_heads, head_dim, d_in)[:, to_hugging_face].reshape(num_heads * head_dim, d_in)
 
 
+# labkit's name of each linear layer inside a block -> Llama's (SwiGLU: w2(silu(w1 x) * w3 x) is down(silu(gate x) * up x))
+LLAMA_LAYER_NAMES = {"attn.q_proj": "self_attn.q_proj", "attn.k_proj": "self_attn.k_proj", "attn.v_proj": "self_attn.v_proj",
+                     "attn.output_proj": "self_attn.o_proj", "ffn.w1": "mlp.gate_proj", "ffn.w3": "mlp.up_proj",
+                     "ffn.w2": "mlp.down_proj"}
+
+
+def _block_layer(model: TransformerLM, name: str) -> tuple[str, int | None]:
+    """Llama's name of the block layer ``name`` (``layers.{i}.attn.q_proj`` -> ``model.layers.{i}.self_attn.q_proj``)
+    and the number of heads whose rows the export reorders (q and k), ``None`` for the other layers."""
+    parts = name.split(".")
+    inner = ".".join(parts[2:])
+    if len(parts) < 4 or parts[0] != "layers" or not parts[1].isdigit() or inner not in LLAMA_LAYER_NAMES:
+        raise ValueError(f"{name!r}: not a linear layer of a block (expected layers.<i>.<one of {sorted(LLAMA_LAYER_NAMES)}>)")
+    heads = {"attn.q_proj": model.config.num_heads, "attn.k_proj": model.config.kv_heads}.get(inner)
+    return f"model.layers.{parts[1]}.{LLAMA_LAYER_NAMES[inner]}", heads
+
+
 def llama_state_dict(model: TransformerLM) -> dict[str, torch.Tensor]:
     """``model``'s weights under Llama's names (contiguous CPU tensors, q/k rows in ``rotate_half`` order).
     With tied embeddings only ``model.embed_tokens.weight`` is written: Llama re-ties ``lm_head`` on loading."""
     cfg = model.config
     llama_config(model)  # refuses what Llama cannot express
-    heads, kv_heads, head_dim = cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
     weights = {"model.embed_tokens.weight": model.token_embeddings.weight, "model.norm.weight": model.ln_final.weight}
     if not cfg.tie_embeddings:
         weights["lm_head.weight"] = model.lm_head.weight
     for i, layer in enumerate(model.layers):
-        prefix, attn, ffn = f"model.layers.{i}.", layer.attn, layer.ffn
-        weights.update({
-            prefix + "input_layernorm.weight": layer.ln1.weight,
-            prefix + "self_attn.q_proj.weight": _rotate_half_rows(attn.q_proj.weight, heads, head_dim),
-            prefix + "self_attn.k_proj.weight": _rotate_half_rows(attn.k_proj.weight, kv_heads, head_dim),
-            prefix + "self_attn.v_proj.weight": attn.v_proj.weight,
-            prefix + "self_attn.o_proj.weight": attn.output_proj.weight,
-            prefix + "post_attention_layernorm.weight": layer.ln2.weight,
-            # SwiGLU: w2(silu(w1 x) * w3 x) is down(silu(gate x) * up x)
-            prefix + "mlp.gate_proj.weight": ffn.w1.weight,
-            prefix + "mlp.up_proj.weight": ffn.w3.weight,
-            prefix + "mlp.down_proj.weight": ffn.w2.weight,
-        })
+        prefix = f"model.layers.{i}."
+        weights[prefix + "input_layernorm.weight"] = layer.ln1.weight
+        weights[prefix + "post_attention_layernorm.weight"] = layer.ln2.weight
+        for inner in LLAMA_LAYER_NAMES:
+            llama_name, heads = _block_layer(model, f"layers.{i}.{inner}")
+            weight = layer.get_submodule(inner).weight
+            weights[llama_name + ".weight"] = weight if heads is None else _rotate_half_rows(weight, heads, cfg.dim_per_head)
+    return {name: tensor.detach().to("cpu").contiguous() for name, tensor in weights.items()}
+
+
+def llama_lora_weights(model: TransformerLM) -> dict[str, torch.Tensor]:
+    """The adapters of ``model`` (a :class:`~labkit.model.TransformerLM` after :func:`labkit.lora.apply_lora`, LoRA
+    or DoRA) for the Llama checkpoint :func:`export_llama` writes of it, under the names of a Hugging Face PEFT
+    adapter file (``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``, ``...lora_B.weight``,
+    ``...lora_magnitude_vector`` for DoRA): ``peft.set_peft_model_state_dict(peft_model, llama_lora_weights(model))``
+    loads them into ``get_peft_model(llama, LoraConfig(...))`` with the same rank, alpha and targets.
+
+    ``B``'s rows (and DoRA's magnitudes) are output features, so on q and k they are reordered as the export
+    reorders those weights' rows (``rotate_half`` order); ``A``'s columns are input features and stay as they are.
+    Contiguous CPU tensors. ``ValueError`` if ``model`` has no adapters or one on a layer outside the blocks
+    (the LM head); ``model`` must be exportable (:func:`llama_config`)."""
+    if not isinstance(model, TransformerLM):
+        raise TypeError(f"model: expected a labkit.model.TransformerLM with LoRA adapters, got {type(model).__name__}")
+    llama_config(model)
+    layers = L.lora_layers(model)
+    if not layers:
+        raise ValueError("model: has no LoRA adapters (wrap its layers with labkit.lora.apply_lora first)")
+    weights = {}
+    for name, layer in layers.items():
+        llama_name, heads = _block_layer(model, name)
+        prefix = "base_model.model." + llama_name
+
+        def output_rows(tensor, heads=heads):  # rows are output features: in the export's order on q and k
+            return tensor if heads is None else _rotate_half_rows(tensor, heads, model.config.dim_per_head)
+
+        adapter = layer.adapter_parameters()
+        weights[prefix + ".lora_A.weight"] = adapter["lora_A"]
+        weights[prefix + ".lora_B.weight"] = output_rows(adapter["lora_B"])
+        if "lora_magnitude_vector" in adapter:  # DoRA
+            weights[prefix + ".lora_magnitude_vector"] = output_rows(adapter["lora_magnitude_vector"][:, None])[:, 0]
     return {name: tensor.detach().to("cpu").contiguous() for name, tensor in weights.items()}
 
 
