@@ -352,6 +352,55 @@ def clipped_fraction(x: torch.Tensor, fmt: str | BlockFormat, rounding: str = "u
     return ((ratio > fmt.element_format.max) & nonzero).double().sum().item() / max(1, int(nonzero.sum()))
 
 
+# ----------------------------------------------------------------------------- random Hadamard transform
+def hadamard_matrix(n: int) -> torch.Tensor:
+    """The ``n x n`` Sylvester Hadamard matrix (entries ±1, float64; ``n`` a power of two):
+    ``H_1 = [1]``, ``H_2n = [[H_n, H_n], [H_n, -H_n]]``. Its rows are orthogonal: ``H H^T = n I``."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1 or n & (n - 1):
+        raise ValueError(f"n={n!r}: expected a power of two")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)])
+    return h
+
+
+def random_hadamard(n: int = 16, generator: torch.Generator | None = None) -> torch.Tensor:
+    """A random Hadamard transform: ``diag(s) H_n / sqrt(n)`` with random signs ``s`` (float64). It is
+    orthogonal (``R R^T = I``), so rotating both operands of a GEMM along K leaves the product unchanged:
+    ``(A R)(R^T B) = A B``. NVIDIA's NVFP4 recipe (*Pretraining LLMs with NVFP4*, 2025) applies a 16x16 one
+    to both inputs of the weight-gradient GEMM, with one fixed sign vector (Transformer Engine's
+    ``get_rht_matrix``), before quantizing them to NVFP4."""
+    signs = torch.randint(0, 2, (n,), generator=generator).double() * 2 - 1
+    return signs[:, None] * hadamard_matrix(n) / math.sqrt(n)
+
+
+def hadamard_transform(x: torch.Tensor, matrix: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """``x`` (float64) with every block of ``n`` consecutive values along its last dimension multiplied
+    by ``matrix`` (``n x n``, orthogonal, e.g. :func:`random_hadamard`): ``block @ matrix``, or
+    ``block @ matrix^T`` with ``inverse``, which undoes it."""
+    if not isinstance(matrix, torch.Tensor) or matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:
+        raise ValueError(f"matrix: expected a square 2-D tensor, got {getattr(matrix, 'shape', matrix)}")
+    n = matrix.shape[0]
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] % n:
+        raise ValueError(f"x: expected a tensor whose last dimension is a multiple of {n}, got {getattr(x, 'shape', x)}")
+    m = matrix.double().to(x.device)
+    blocks = x.detach().double().reshape(*x.shape[:-1], x.shape[-1] // n, n)
+    return (blocks @ (m.T if inverse else m)).reshape(x.shape)
+
+
+def quantized_matmul(a: torch.Tensor, b: torch.Tensor, fmt: str | BlockFormat, transform: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` (float64) with both operands stored in the block format ``fmt`` along K, the way a GEMM
+    reads them: ``a`` ([M, K]) in blocks along its rows, ``b`` ([K, N]) along its columns. With
+    ``transform`` (a :func:`random_hadamard` matrix) both are first rotated along K in blocks of its
+    size, which leaves the exact product unchanged, and quantized rotated."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0]):
+        raise ValueError(f"a, b: expected tensors [M, K] and [K, N], got {getattr(a, 'shape', a)} and {getattr(b, 'shape', b)}")
+    a_rows, b_columns = a, b.t()
+    if transform is not None:
+        a_rows, b_columns = hadamard_transform(a_rows, transform).float(), hadamard_transform(b_columns, transform).float()
+    return dequantize_blocks(quantize_blocks(a_rows, fmt)) @ dequantize_blocks(quantize_blocks(b_columns, fmt)).t()
+
+
 # ----------------------------------------------------------------------------- accumulation in a GEMM
 def simulated_accumulation(a: torch.Tensor, b: torch.Tensor, mantissa_bits: int, promote_every: int | None = None) -> torch.Tensor:
     """``a @ b`` (float64 result) with the running sum over K kept in a float of ``mantissa_bits``

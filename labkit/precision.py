@@ -569,6 +569,187 @@ class DelayedScaling:
         return codes, scale
 
 
+# ----------------------------------------------------------------------------- FP8 training, simulated
+FP8_SCALINGS = ("delayed", "current")
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """How an FP8 linear layer casts its three GEMM operands (Micikevicius et al., *FP8 Formats for
+    Deep Learning*, 2022; Transformer Engine's ``DelayedScaling`` recipe): activations and weights in
+    ``forward``, the incoming gradient in ``backward``, each with its own per-tensor scale. The
+    *hybrid* recipe is E4M3 forward, E5M2 backward; ``backward="fp8_e4m3"`` is E4M3 everywhere.
+    ``scaling="current"`` takes each tensor's own amax (one extra pass over it); ``"delayed"`` the
+    largest amax of the previous ``history_len`` casts of that operand (scale 1 before any), so a
+    tensor that outgrows its history saturates at ±max. ``margin`` adds ``2^margin`` of headroom."""
+
+    forward: str = "fp8_e4m3"
+    backward: str = "fp8_e5m2"
+    scaling: str = "delayed"
+    history_len: int = 16
+    margin: int = 0
+
+    def __post_init__(self):
+        for field_name in ("forward", "backward"):
+            name = getattr(self, field_name)
+            if name not in ("fp8_e4m3", "fp8_e5m2"):
+                raise ValueError(f"{field_name}={name!r}: expected 'fp8_e4m3' or 'fp8_e5m2'")
+        if self.scaling not in FP8_SCALINGS:
+            raise ValueError(f"scaling={self.scaling!r}: expected one of {FP8_SCALINGS}")
+        if not isinstance(self.history_len, int) or self.history_len <= 0:
+            raise ValueError(f"history_len={self.history_len!r}: expected a positive integer")
+        if not isinstance(self.margin, int) or self.margin < 0:
+            raise ValueError(f"margin={self.margin!r}: expected a non-negative integer")
+
+
+def fp8_cast(x: torch.Tensor, scale: float, fmt: str | FloatFormat = "fp8_e4m3") -> torch.Tensor:
+    """``x / scale`` stored in an FP8 format and read back, *unscaled* (fp32 values on the FP8 grid):
+    the division in fp32, then PyTorch's cast to ``float8_e4m3fn``/``float8_e5m2`` after clamping to
+    ±max, so overflow saturates (as Transformer Engine's casts do) in every torch version and format.
+    The same values as ``decode(quantize(x, scale, fmt))``, from torch's cast instead of labkit's."""
+    fmt = get_format(fmt)
+    if fmt.name not in ("fp8_e4m3", "fp8_e5m2"):
+        raise ValueError(f"fmt={fmt.name!r}: expected 'fp8_e4m3' or 'fp8_e5m2'")
+    if not scale > 0 or not math.isfinite(scale):
+        raise ValueError(f"scale={scale}: expected a positive finite number")
+    return (x.detach().float() / _fp32(scale)).clamp(-fmt.max, fmt.max).to(fmt.torch_dtype).float()
+
+
+class Fp8TensorScaling:
+    """The per-tensor scale of one GEMM operand (an FP8 layer has three: input, weight, gradient),
+    with a record of what each training step's cast did: ``counts[i] = (nonzero, flushed,
+    saturated)``, the non-zero entries seen, how many of them became zero, and how many
+    overflowed: |x / scale| beyond max by more than half of max's ulp, where rounding to nearest
+    would have left max, so that the clamp changed the value."""
+
+    def __init__(self, fmt: str, recipe: Fp8Recipe):
+        self.fmt, self.recipe = get_format(fmt), recipe
+        self.history = DelayedScaling(recipe.history_len, fmt, recipe.margin) if recipe.scaling == "delayed" else None
+        self.counts: list[tuple[int, int, int]] = []
+        self._overflow = self.fmt.max + ulp(self.fmt.max, self.fmt).item() / 2
+
+    def cast(self, x: torch.Tensor, record: bool = True) -> tuple[torch.Tensor, float]:
+        """``(fp8_cast(x, scale), scale)`` with this step's scale. With ``record`` (training steps),
+        the delayed recipe then adds ``x``'s amax to its history and the counts are updated; an
+        evaluation pass casts with the same scales but leaves both alone."""
+        amax = finite_amax(x)
+        if self.history is not None:
+            scale = self.history.scale
+            if record:
+                self.history.amax_history.append(amax)
+        else:
+            scale = amax / self.fmt.max * 2.0**self.recipe.margin if amax > 0 else 1.0
+        values = fp8_cast(x, scale, self.fmt)
+        if not record:
+            return values, scale
+        nonzero = x.detach() != 0
+        self.counts.append((int(nonzero.sum()), int(((values == 0) & nonzero).sum()),
+                            int((x.detach().float().abs() / _fp32(scale) > self._overflow).sum())))
+        return values, scale
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    """``y = x W^T`` as an FP8 GEMM: both operands cast to FP8 with their per-tensor scales, multiplied
+    exactly and accumulated in fp32, the product of the two scales applied to the fp32 result (what
+    ``torch._scaled_mm`` does). Backward: the incoming gradient is cast with the ``backward`` format,
+    then ``dX = dY W`` and ``dW = dY^T X`` reuse the FP8 copies of W and X saved by the forward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, layer):
+        device_type = x.device.type
+        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        record = layer.training and torch.is_grad_enabled()  # a training step, not an evaluation
+        with torch.autocast(device_type, enabled=False):  # the FP8 products must not be re-rounded to bf16
+            xq, x_scale = layer.input_scaling.cast(x, record)
+            wq, w_scale = layer.weight_scaling.cast(weight, record)
+            y = (xq @ wq.T) * _fp32(x_scale * w_scale)
+        ctx.save_for_backward(xq, wq)
+        ctx.scales, ctx.layer, ctx.dtypes = (x_scale, w_scale), layer, (x.dtype, weight.dtype)
+        return y.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        xq, wq = ctx.saved_tensors
+        x_scale, w_scale = ctx.scales
+        with torch.autocast(grad_output.device.type, enabled=False):
+            gq, g_scale = ctx.layer.grad_scaling.cast(grad_output)
+            grad_x = (gq @ wq) * _fp32(g_scale * w_scale)
+            grad_w = (gq.reshape(-1, gq.shape[-1]).T @ xq.reshape(-1, xq.shape[-1])) * _fp32(g_scale * x_scale)
+        return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None
+
+
+class Fp8Linear(torch.nn.Module):
+    """A :class:`labkit.nn.Linear` whose GEMMs run in simulated FP8 (:class:`Fp8Recipe`): the casts
+    are PyTorch's exact float8 casts, the arithmetic is fp32 (the CPU has no FP8 arithmetic), so the
+    numbers are those of an FP8 GEMM that accumulates in fp32. It trains the wrapped layer's own
+    ``weight`` parameter, so the state dict and the optimizer see the same tensor."""
+
+    def __init__(self, linear: torch.nn.Module, recipe: Fp8Recipe):
+        super().__init__()
+        weight = getattr(linear, "weight", None)
+        if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2:
+            raise TypeError(f"linear: expected a Linear layer with a 2-D weight, got {type(linear).__name__}")
+        if not isinstance(recipe, Fp8Recipe):
+            raise TypeError(f"recipe: expected an Fp8Recipe, got {type(recipe).__name__}")
+        self.weight, self.recipe = weight, recipe
+        self.d_out, self.d_in = weight.shape
+        self.input_scaling = Fp8TensorScaling(recipe.forward, recipe)
+        self.weight_scaling = Fp8TensorScaling(recipe.forward, recipe)
+        self.grad_scaling = Fp8TensorScaling(recipe.backward, recipe)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.d_in:
+            raise ValueError(f"x: last dim must be d_in={self.d_in}, got shape {tuple(x.shape)}")
+        return _Fp8LinearFunction.apply(x, self.weight, self)
+
+    def extra_repr(self) -> str:
+        return f"d_in={self.d_in}, d_out={self.d_out}, {self.recipe}"
+
+
+def use_fp8(model: torch.nn.Module, recipe: Fp8Recipe, keep: Iterable[str] = ("lm_head",)) -> list[Fp8Linear]:
+    """Replace every :class:`labkit.nn.Linear` of ``model`` (in place) by an :class:`Fp8Linear` with
+    ``recipe``, except the modules named in ``keep``: the output head stays in higher precision, as
+    in DeepSeek-V3 (§3.3.1) and NVIDIA's NVFP4 recipe (embeddings, norms and attention's own matmuls
+    are not Linear layers and stay too). Returns the new layers, in module order."""
+    from labkit.nn import Linear
+
+    keep = set(keep)
+    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, Linear) and name not in keep]
+    if not targets:
+        raise ValueError("model: no Linear layer to convert (all kept, or none there)")
+    layers = []
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        layer = Fp8Linear(module, recipe)
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+        layers.append(layer)
+    return layers
+
+
+def train_fp8(recipe: Fp8Recipe | None, model: torch.nn.Module, train_data, val_data, config, **train_kwargs):
+    """Train with :func:`labkit.train.train` under bf16 autocast, with the model's Linear layers in
+    simulated FP8 (:func:`use_fp8` with ``recipe``; ``None`` trains the plain bf16 baseline). fp32
+    master weights and optimizer states, as in every FP8 recipe. Returns ``(history, fp8_layers)``."""
+    from labkit.train import train
+
+    layers = use_fp8(model, recipe) if recipe is not None else []
+    history = train(model, train_data, val_data, config, autocast_dtype=torch.bfloat16, **train_kwargs)
+    return history, layers
+
+
+def fp8_cast_counts(layers: Iterable[Fp8Linear], operand: str = "grad", steps: slice = slice(None)) -> dict:
+    """What the casts of one operand (``"input"``, ``"weight"`` or ``"grad"``) did over all ``layers``
+    in the training ``steps`` selected (a slice of step indices, 0 = the first step; all by default):
+    the fractions of the non-zero entries ``flushed`` to zero and ``saturated`` at ±max."""
+    if operand not in ("input", "weight", "grad"):
+        raise ValueError(f"operand={operand!r}: expected 'input', 'weight' or 'grad'")
+    if not isinstance(steps, slice):
+        raise TypeError(f"steps: expected a slice of step indices, got {type(steps).__name__}")
+    counts = [c for layer in layers for c in getattr(layer, f"{operand}_scaling").counts[steps]]
+    nonzero = sum(c[0] for c in counts)
+    return {"flushed": sum(c[1] for c in counts) / max(1, nonzero), "saturated": sum(c[2] for c in counts) / max(1, nonzero)}
+
+
 # ----------------------------------------------------------------------------- helpers
 def _parameters(optimizer_or_params) -> list[torch.Tensor]:
     if isinstance(optimizer_or_params, torch.optim.Optimizer):

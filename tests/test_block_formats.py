@@ -359,3 +359,66 @@ def test_promotion_stops_the_error_growing_with_k():
         B.accumulation_errors(a, b, 0, None, ks)
     with pytest.raises(ValueError, match="ks"):
         B.accumulation_errors(a, b, 13, None, [4096])
+
+
+# ----------------------------------------------------------------------------- random Hadamard transform
+@pytest.mark.parametrize("n", [1, 2, 4, 16, 64])
+def test_hadamard_matrix_is_sylvesters_and_orthogonal(n):
+    from scipy.linalg import hadamard
+
+    h = B.hadamard_matrix(n)
+    assert torch.equal(h, torch.tensor(hadamard(n), dtype=torch.float64))
+    assert torch.equal(h @ h.T, n * torch.eye(n, dtype=torch.float64))
+
+
+def test_random_hadamard_is_orthogonal_with_random_signs():
+    g = torch.Generator().manual_seed(0)
+    r = B.random_hadamard(16, g)
+    torch.testing.assert_close(r @ r.T, torch.eye(16, dtype=torch.float64), rtol=0, atol=1e-15)
+    assert torch.equal(r.abs(), torch.full((16, 16), 0.25, dtype=torch.float64))
+    signs = (r / B.hadamard_matrix(16) * 4)[:, 0]  # one sign per row of H
+    assert torch.equal(signs[:, None] * B.hadamard_matrix(16) / 4, r)
+    assert set(signs.tolist()) == {-1.0, 1.0}
+    assert not torch.equal(r, B.random_hadamard(16, g))  # another draw, other signs
+
+
+def test_hadamard_transform_has_an_exact_inverse_and_keeps_a_gemm_exact():
+    g = torch.Generator().manual_seed(1)
+    r = B.random_hadamard(16, g)
+    x = torch.randn(3, 5, 64, generator=g)
+    y = B.hadamard_transform(x, r)
+    torch.testing.assert_close(B.hadamard_transform(y, r, inverse=True), x.double(), rtol=0, atol=1e-14)
+    torch.testing.assert_close(y.norm(), x.double().norm(), rtol=1e-14, atol=0)  # orthogonal: lengths kept
+    blocks = x.double().reshape(3, 5, 4, 16)
+    torch.testing.assert_close(y, (blocks @ r).reshape(x.shape), rtol=0, atol=1e-14)
+    a, b = torch.randn(8, 64, generator=g), torch.randn(64, 4, generator=g)
+    torch.testing.assert_close(B.hadamard_transform(a, r) @ B.hadamard_transform(b.t(), r).t(), a.double() @ b.double(), rtol=1e-12, atol=1e-12)
+    # a lone spike is spread over its block at 1/4 of its size
+    spike = torch.zeros(16)
+    spike[3] = 100.0
+    assert torch.equal(B.hadamard_transform(spike, r).abs(), torch.full((16,), 25.0, dtype=torch.float64))
+
+
+def test_quantized_matmul_quantizes_rotated_operands_along_k():
+    g = torch.Generator().manual_seed(2)
+    r = B.random_hadamard(16, g)
+    a, b = torch.randn(4, 32, generator=g), torch.randn(32, 6, generator=g)
+
+    def stored(t):
+        return B.dequantize_blocks(B.quantize_blocks(t, "nvfp4"))
+
+    assert torch.equal(B.quantized_matmul(a, b, "nvfp4"), stored(a) @ stored(b.t()).t())
+    rotated = stored(B.hadamard_transform(a, r).float()) @ stored(B.hadamard_transform(b.t(), r).float()).t()
+    assert torch.equal(B.quantized_matmul(a, b, "nvfp4", r), rotated)
+    assert P.relative_error(rotated, a.double() @ b.double()) < 0.3
+
+
+def test_hadamard_bad_input_is_named():
+    with pytest.raises(ValueError, match="n=12"):
+        B.hadamard_matrix(12)
+    with pytest.raises(ValueError, match="matrix"):
+        B.hadamard_transform(torch.ones(16), torch.ones(4, 8))
+    with pytest.raises(ValueError, match="x"):
+        B.hadamard_transform(torch.ones(10), B.random_hadamard(16))
+    with pytest.raises(ValueError, match="a, b"):
+        B.quantized_matmul(torch.ones(4, 16), torch.ones(8, 4), "nvfp4")
