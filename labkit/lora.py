@@ -10,7 +10,8 @@ Everything is written out in PyTorch so it can be read line by line:
   conventions and names.
 * **A model** - :func:`apply_lora` wraps the layers whose names match ``targets`` (or
   ``"all-linear"``) and freezes everything else; :func:`merge_lora` / :func:`unmerge_lora` fold
-  ``scaling * B A`` into ``W0`` and back; :func:`merge_and_unload` leaves plain layers;
+  ``scaling * B A`` into ``W0`` and back; :func:`merge_and_unload` leaves plain layers
+  (:func:`merge_and_requantize`: into a 4-bit base, and what that costs);
   :func:`lora_state_dict` / :func:`load_lora_state_dict` save and swap adapters;
   :func:`trainable_parameters` and :func:`lora_parameter_count` count.
 * **Variants** - :class:`DoRALinear` (DoRA, Liu et al., 2024: a trained magnitude per output feature times
@@ -381,6 +382,85 @@ def loraplus_param_groups(model: nn.Module, lr: float, lr_ratio: float = 16.0) -
     return [{"params": slow, "lr": lr}, {"params": fast, "lr": lr * lr_ratio}]
 
 
+# ============================================================================ IA3 and the map of PEFT methods
+IA3_TARGETS = ("k_proj", "v_proj", "w2")  # PEFT's defaults for Llama: k_proj, v_proj and down_proj (labkit's w2)
+IA3_FEEDFORWARD = ("w2",)
+
+
+class IA3Linear(nn.Module):
+    """(IA)^3, "infused adapter by inhibiting and amplifying inner activations" (Liu et al., 2022): a frozen
+    linear layer whose output features (or, on a feed-forward layer, input features) are multiplied by a trained
+    vector ``ia3_l``, initialised to ones, so the layer starts as ``base``. ``y = base(x) * l`` (``l``: ``[d_out]``)
+    or, with ``feedforward``, ``y = base(x * l)`` (``l``: ``[d_in]``), as PEFT's ``IA3Config`` computes it.
+    One number per feature and no rank: the fewest parameters of the adapter methods, and nothing to merge but a
+    rescaling of ``W0``'s rows (or columns)."""
+
+    def __init__(self, base: nn.Module, feedforward: bool = False):
+        super().__init__()
+        if isinstance(base, (LoRALinear, IA3Linear)):
+            raise TypeError("base: already carries an adapter; wrap the plain layer")
+        d_in, d_out = _linear_shape(base)
+        weight = base.qweight if isinstance(base, QuantLinear) else base.weight
+        dtype = torch.float32 if isinstance(base, QuantLinear) else weight.dtype
+        self.base, self.feedforward, self.d_in, self.d_out = base, feedforward, d_in, d_out
+        base.requires_grad_(False)
+        self.ia3_l = nn.Parameter(torch.ones(d_in if feedforward else d_out, device=weight.device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.feedforward:
+            return self.base(x * self.ia3_l.to(x.dtype))
+        return self.base(x) * self.ia3_l.to(x.dtype)
+
+    def adapter_parameters(self) -> dict[str, nn.Parameter]:
+        return {"ia3_l": self.ia3_l}
+
+    def extra_repr(self) -> str:
+        return f"d_in={self.d_in}, d_out={self.d_out}, scales the {'input' if self.feedforward else 'output'}"
+
+
+def apply_ia3(model: nn.Module, targets=IA3_TARGETS, feedforward=IA3_FEEDFORWARD) -> nn.Module:
+    """Freeze ``model`` and wrap each linear layer selected by ``targets`` (:func:`target_modules`) in an
+    :class:`IA3Linear`, scaling the input of those also matched by ``feedforward`` and the output of the others
+    (PEFT's ``IA3Config(target_modules, feedforward_modules)``). In place; returns ``model``."""
+    names = target_modules(model, targets)
+    if not names:
+        raise ValueError(f"targets={targets!r}: no linear layer matches (a wrapped layer is no longer one)")
+    model.requires_grad_(False)
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        holder = model.get_submodule(parent) if parent else model
+        setattr(holder, child, IA3Linear(holder.get_submodule(child), feedforward=_matches(name, feedforward)))
+    return model
+
+
+def ia3_layers(model: nn.Module) -> dict[str, IA3Linear]:
+    """Every :class:`IA3Linear` of ``model`` by name."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, IA3Linear)}
+
+
+def peft_parameter_counts(config: ModelConfig, *, virtual_tokens: int = 10, bottleneck: int = 8, r: int = 4,
+                          lora_targets=ALL_LINEAR, ia3_targets=IA3_TARGETS, ia3_feedforward=IA3_FEEDFORWARD) -> dict[str, int]:
+    """Trainable parameters of the common PEFT methods on ``TransformerLM(config)``, exactly:
+
+    * ``prompt tuning`` (Lester et al., 2021): ``virtual_tokens`` trained input embeddings, ``virtual_tokens * d_model``;
+    * ``prefix tuning`` (Li and Liang, 2021; without its reparametrisation MLP, as PEFT stores it): a trained key and
+      value per virtual token in every layer, ``virtual_tokens * num_layers * 2 * kv_heads * head_dim``;
+    * ``IA3`` (Liu et al., 2022): one scale per output feature of ``ia3_targets`` (per input feature of
+      ``ia3_feedforward``), in every block;
+    * ``adapters (Houlsby)`` (Houlsby et al., 2019): two bottleneck MLPs per block (after attention and after the
+      feed-forward), each ``d_model -> bottleneck -> d_model`` with biases, ``2 * (2 * d_model * bottleneck +
+      bottleneck + d_model)`` per block;
+    * ``LoRA r=<r>``: :func:`lora_parameter_count` of ``lora_targets``."""
+    _check_positive_int(virtual_tokens=virtual_tokens, bottleneck=bottleneck, r=r)
+    d, layers = config.d_model, config.num_layers
+    ia3 = sum(d_in if _matches(name, ia3_feedforward) else d_out for name, d_in, d_out in _layer_shapes(config, ia3_targets))
+    return {"prompt tuning": virtual_tokens * d,
+            "prefix tuning": virtual_tokens * layers * 2 * config.kv_heads * config.dim_per_head,
+            "IA3": ia3,
+            "adapters (Houlsby)": layers * 2 * (2 * d * bottleneck + bottleneck + d),
+            f"LoRA r={r}": lora_parameter_count(config, r, lora_targets)}
+
+
 def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
     """Every :class:`LoRALinear` of ``model`` by name (``model`` itself under ``""`` if it is one)."""
     return {name: module for name, module in model.named_modules() if isinstance(module, LoRALinear)}
@@ -410,6 +490,45 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer.merged_linear())
     return model
+
+
+@torch.no_grad()
+def merge_and_requantize(model: nn.Module) -> tuple[nn.Module, dict[str, dict[str, float]]]:
+    """What merging adapters into their 4-bit base costs (:meth:`LoRALinear.merge` refuses it): every adapter of
+    ``model``, each over a :class:`labkit.quant.QuantLinear`, is folded into its layer's weight and the sum quantized
+    again, ``W' = quant(dequant(W0) + scaling * B A)`` (DoRA: its merged weight), in the base's format, group size
+    and scale dtype; the adapter layer is replaced, in place, by that :class:`~labkit.quant.QuantLinear`.
+
+    Returns ``model`` and, per replaced layer, the Frobenius norms ``update`` (of what the adapter adds,
+    ``W - dequant(W0)``, with ``W`` the exact merged weight) and ``error`` (of ``dequant(W') - W``, the
+    requantization's rounding), and ``relative_error``, their ratio: near 1 and the merged 4-bit model has lost
+    about as much as the adapter added. ``ValueError`` for an adapter over a full-precision layer (merge that
+    with :func:`merge_lora`) or over a layer with AWQ/SmoothQuant input scales or quantized activations."""
+    layers = lora_layers(model)
+    if not layers:
+        raise ValueError("model: has no LoRA adapters to merge")
+    report = {}
+    for name, layer in layers.items():
+        if not name:
+            raise TypeError("model: is a LoRALinear itself; wrap it in a module")
+        base = layer.base
+        if not isinstance(base, QuantLinear):
+            raise ValueError(f"{name}: its base is full precision; merge it with merge_lora (no requantization needed)")
+        if base.input_scale is not None or base.act_bits is not None:
+            raise ValueError(f"{name}: a base with input scales or quantized activations is not requantized here")
+        w0 = base.dequantized_weight(torch.float32)
+        merged = layer.merged_weight(w0)
+        plain = Linear(layer.d_in, layer.d_out, device=merged.device)
+        plain.weight.copy_(merged)
+        requantized = QuantLinear.from_linear(plain, "nf4" if base.fmt == "nf4" else "int", base.group_size,
+                                              bits=None if base.fmt == "nf4" else base.bits, symmetric=base.symmetric,
+                                              scale_dtype=base.scales.dtype)
+        update = (merged - w0).norm().item()
+        error = (requantized.dequantized_weight(torch.float32) - merged).norm().item()
+        report[name] = {"update": update, "error": error, "relative_error": error / update if update else math.inf}
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, requantized.requires_grad_(False))
+    return model, report
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

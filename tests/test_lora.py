@@ -631,3 +631,93 @@ def test_dora_over_a_4bit_base_is_dora_over_its_dequantized_weight():
     assert torch.allclose(over_quant(x), over_plain(x), atol=1e-5)
     merged = over_quant.merged_linear()
     assert torch.allclose(merged(x), over_plain(x), atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- merging into a 4-bit base
+def test_merge_and_requantize_rounds_the_merged_weight_again():
+    torch.manual_seed(19)
+    model = nn.Sequential(Q.QuantLinear.from_linear(Linear(128, 48), "nf4", group_size=64))
+    L.apply_lora(model, "0", r=4, alpha=8)
+    random_adapter(model[0], seed=5)
+    w0 = model[0].base.dequantized_weight()
+    exact = w0 + model[0].delta_weight()
+    x = torch.randn(3, 128)
+    with torch.no_grad():
+        adapted = model(x)
+    merged, report = L.merge_and_requantize(model)
+    layer = merged[0]
+    assert type(layer) is Q.QuantLinear and (layer.fmt, layer.group_size, layer.scales.dtype) == ("nf4", 64, torch.float16)
+    plain = Linear(128, 48)
+    with torch.no_grad():
+        plain.weight.copy_(exact)
+    expected = Q.QuantLinear.from_linear(plain, "nf4", group_size=64)
+    assert torch.equal(layer.qweight, expected.qweight) and torch.equal(layer.scales, expected.scales)
+    stats = report["0"]
+    assert stats["update"] == pytest.approx((exact - w0).norm().item(), rel=1e-5)
+    assert stats["error"] == pytest.approx((layer.dequantized_weight() - exact).norm().item(), rel=1e-5)
+    assert stats["relative_error"] == pytest.approx(stats["error"] / stats["update"])
+    with torch.no_grad():  # the merged layer computes its requantized weight, not the adapted layer's
+        assert torch.allclose(merged(x), x @ layer.dequantized_weight().T, atol=1e-5)
+        assert not torch.allclose(merged(x), adapted, atol=1e-4)
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        L.merge_and_requantize(merged)
+    with pytest.raises(ValueError, match="merge_lora"):
+        L.merge_and_requantize(L.apply_lora(nn.Sequential(Linear(8, 8)), "0", r=2, alpha=4))
+
+
+# ----------------------------------------------------------------------------- IA3 and the PEFT map
+def test_ia3_scales_outputs_or_feedforward_inputs_and_starts_as_the_base():
+    model = small_model()
+    x = torch.randint(0, model.config.vocab_size, (2, 8))
+    with torch.no_grad():
+        before = model(x)
+    L.apply_ia3(model)
+    layers = L.ia3_layers(model)
+    assert sorted({name.rpartition(".")[2] for name in layers}) == ["k_proj", "v_proj", "w2"]
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+    assert L.trainable_parameters(model)[0] == L.peft_parameter_counts(model.config)["IA3"]
+    layer = layers["layers.0.ffn.w2"]
+    assert layer.feedforward and layer.ia3_l.shape == (layer.d_in,)
+    h = torch.randn(5, layer.d_in)
+    with torch.no_grad():
+        layer.ia3_l.uniform_(0.5, 1.5)
+        assert torch.allclose(layer(h), (h * layer.ia3_l) @ layer.base.weight.T, atol=1e-6)
+        k = layers["layers.0.attn.k_proj"]
+        k.ia3_l.uniform_(0.5, 1.5)
+        e = torch.randn(5, k.d_in)
+        assert torch.allclose(k(e), (e @ k.base.weight.T) * k.ia3_l, atol=1e-6)
+    model(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    with pytest.raises(ValueError, match="no linear layer"):
+        L.apply_ia3(model)
+
+
+def test_ia3_and_the_parameter_map_match_peft_on_the_exported_llama(tmp_path):
+    """IA3 with the same scales in PEFT on the exported checkpoint computes labkit's logits; PEFT's prompt tuning,
+    prefix tuning and IA3 train exactly the counts peft_parameter_counts gives."""
+    peft = import_peft()
+    pytest.importorskip("transformers", reason="transformers is not installed; the reference check is skipped")
+    from labkit.serving import hf
+
+    cfg = tiny_config(20, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=48)
+    torch.manual_seed(20)
+    model = TransformerLM(cfg)
+    path = hf.export_llama(model, tmp_path / "llama")
+    ours = L.apply_ia3(copy.deepcopy(model))
+    with torch.no_grad():
+        for layer in L.ia3_layers(ours).values():
+            layer.ia3_l.uniform_(0.5, 1.5)
+    theirs = peft.get_peft_model(hf.load_llama(path), peft.IA3Config(target_modules=["k_proj", "v_proj", "down_proj"],
+                                                                     feedforward_modules=["down_proj"]))
+    assert not peft.set_peft_model_state_dict(theirs, hf.llama_lora_weights(ours)).unexpected_keys
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(21))
+    with torch.no_grad():
+        assert torch.allclose(theirs(ids).logits, ours(ids), atol=1e-5)
+    counts = L.peft_parameter_counts(cfg, virtual_tokens=6)
+    assert counts["IA3"] == theirs.get_nb_trainable_parameters()[0]
+    for name, config in (("prompt tuning", peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=6)),
+                         ("prefix tuning", peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=6))):
+        assert counts[name] == peft.get_peft_model(hf.load_llama(path), config).get_nb_trainable_parameters()[0], name
+    assert counts["adapters (Houlsby)"] == 2 * 2 * (2 * 32 * 8 + 8 + 32)
+    assert counts["LoRA r=4"] == L.lora_parameter_count(cfg, 4, "all-linear")

@@ -39,17 +39,28 @@ def test_rank_sweep_draws_one_line_per_target_set_full_ft_and_qlora():
         W.plot_rank_sweep([ROWS[0]])
 
 
-def test_explorer_plot_stacks_the_three_breakdowns():
+def bar_heights(ax) -> dict[int, float]:
+    """Each stacked bar's total height, by its x position."""
+    heights = {}
+    for patch in ax.patches:
+        x = round(patch.get_x() + patch.get_width() / 2)
+        heights[x] = heights.get(x, 0) + patch.get_height()
+    return heights
+
+
+def test_explorer_plot_stacks_the_three_breakdowns_and_what_lora_trains():
     data = L.rank_explorer(PRESETS["llama2-7b"], 16, 32, "all linear", W.runs_by_choice(ROWS))
     fig = W.plot_rank_explorer(data, ROWS, title="t")
-    bars, sweep = fig.axes
-    heights = {}
-    for patch in bars.patches:
-        heights[round(patch.get_x() + patch.get_width() / 2)] = heights.get(round(patch.get_x() + patch.get_width() / 2), 0) + patch.get_height()
+    bars, zoom, sweep = fig.axes
+    heights = bar_heights(bars)
     assert heights[0] == pytest.approx(data["memory"]["full"].total / 1e9)
     assert heights[2] == pytest.approx(data["memory"]["qlora"].total / 1e9)
+    lora = data["memory"]["lora"]
+    assert bar_heights(zoom)[0] == pytest.approx((lora.total - lora.weights - lora.quant_scales) / 1e9)
+    assert "adapters" in [t.get_text() for t in zoom.get_legend().get_texts()]
+    assert "weights" not in [t.get_text() for t in zoom.get_legend().get_texts()]
     assert sweep.get_xlabel() == "rank r" and fig._suptitle.get_text() == "t"
-    assert len(W.plot_rank_explorer(data).axes) == 1
+    assert len(W.plot_rank_explorer(data).axes) == 2
     with pytest.raises(ValueError, match="rank_explorer"):
         W.plot_rank_explorer({"memory": {}})
 

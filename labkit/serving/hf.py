@@ -130,19 +130,20 @@ def llama_state_dict(model: TransformerLM) -> dict[str, torch.Tensor]:
 
 def llama_lora_weights(model: TransformerLM) -> dict[str, torch.Tensor]:
     """The adapters of ``model`` (a :class:`~labkit.model.TransformerLM` after :func:`labkit.lora.apply_lora`, LoRA
-    or DoRA) for the Llama checkpoint :func:`export_llama` writes of it, under the names of a Hugging Face PEFT
-    adapter file (``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``, ``...lora_B.weight``,
-    ``...lora_magnitude_vector`` for DoRA): ``peft.set_peft_model_state_dict(peft_model, llama_lora_weights(model))``
-    loads them into ``get_peft_model(llama, LoraConfig(...))`` with the same rank, alpha and targets.
+    or DoRA, or :func:`labkit.lora.apply_ia3`) for the Llama checkpoint :func:`export_llama` writes of it, under the
+    names of a Hugging Face PEFT adapter file (``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``,
+    ``...lora_B.weight``, ``...lora_magnitude_vector`` for DoRA, ``...ia3_l`` for IA3):
+    ``peft.set_peft_model_state_dict(peft_model, llama_lora_weights(model))`` loads them into
+    ``get_peft_model(llama, LoraConfig(...))`` (or ``IA3Config``) with the same rank, alpha and targets.
 
-    ``B``'s rows (and DoRA's magnitudes) are output features, so on q and k they are reordered as the export
-    reorders those weights' rows (``rotate_half`` order); ``A``'s columns are input features and stay as they are.
-    Contiguous CPU tensors. ``ValueError`` if ``model`` has no adapters or one on a layer outside the blocks
-    (the LM head); ``model`` must be exportable (:func:`llama_config`)."""
+    ``B``'s rows, DoRA's magnitudes and IA3's output scales are output features, so on q and k they are reordered
+    as the export reorders those weights' rows (``rotate_half`` order); ``A``'s columns and IA3's input scales
+    are input features and stay as they are. Contiguous CPU tensors. ``ValueError`` if ``model`` has no adapters
+    or one on a layer outside the blocks (the LM head); ``model`` must be exportable (:func:`llama_config`)."""
     if not isinstance(model, TransformerLM):
         raise TypeError(f"model: expected a labkit.model.TransformerLM with LoRA adapters, got {type(model).__name__}")
     llama_config(model)
-    layers = L.lora_layers(model)
+    layers = {**L.lora_layers(model), **L.ia3_layers(model)}
     if not layers:
         raise ValueError("model: has no LoRA adapters (wrap its layers with labkit.lora.apply_lora first)")
     weights = {}
@@ -154,6 +155,10 @@ def llama_lora_weights(model: TransformerLM) -> dict[str, torch.Tensor]:
             return tensor if heads is None else _rotate_half_rows(tensor, heads, model.config.dim_per_head)
 
         adapter = layer.adapter_parameters()
+        if isinstance(layer, L.IA3Linear):  # PEFT keeps the scales as [d_out, 1], or [1, d_in] on the input
+            scales = adapter["ia3_l"]
+            weights[prefix + ".ia3_l"] = scales[None, :] if layer.feedforward else output_rows(scales[:, None])
+            continue
         weights[prefix + ".lora_A.weight"] = adapter["lora_A"]
         weights[prefix + ".lora_B.weight"] = output_rows(adapter["lora_B"])
         if "lora_magnitude_vector" in adapter:  # DoRA

@@ -2,8 +2,8 @@
 
 A thin ``ipywidgets.interact`` over :func:`show_rank_explorer`, which draws what
 :func:`labkit.lora.rank_explorer` computes (:func:`plot_rank_explorer`: the memory of full
-fine-tuning, LoRA and QLoRA for the chosen model, rank and targets, next to the accuracy the
-chapter measured for each rank on the adder) and prints its numbers (:func:`explorer_summary`);
+fine-tuning, LoRA and QLoRA for the chosen model, rank and targets, what LoRA and QLoRA keep besides
+the frozen base, and the accuracy the chapter measured for each rank on the adder) and prints its numbers (:func:`explorer_summary`);
 :func:`plot_rank_sweep` is the chapter's own plot of those runs. The tests call these plain functions.
 """
 from __future__ import annotations
@@ -66,31 +66,43 @@ def plot_rank_sweep(rows: list[dict], ax=None, key: str = "new", highlight: tupl
     return ax
 
 
+def _stacked_bars(ax, memory: dict, methods: dict, kinds) -> None:
+    """Bars of ``methods`` (``{label: key of memory}``), ``kinds`` stacked in :data:`KIND_COLORS`, totals on top."""
+    bottoms = [0.0] * len(methods)
+    for kind in kinds:
+        values = [getattr(memory[key], kind) / 1e9 for key in methods.values()]
+        if any(values):
+            ax.bar(list(methods), values, bottom=bottoms, color=KIND_COLORS[kind], label=kind.replace("_", " "))
+            bottoms = [b + v for b, v in zip(bottoms, values)]
+    for x, total in enumerate(bottoms):
+        ax.annotate(f"{total:.1f} GB" if total >= 1 else f"{total:.3g} GB", (x, total), ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, 1.5 * max(bottoms))  # room for the legend above the bars
+    ax.set_ylabel("GB (1e9 bytes)")
+    ax.legend(fontsize=7, ncol=3, loc="upper center")
+
+
 def plot_rank_explorer(data: dict, rows: list[dict] | None = None, title: str | None = None):
-    """Left: stacked bars of the memory breakdown (GB) of full fine-tuning, LoRA and QLoRA from
-    ``data`` (what :func:`labkit.lora.rank_explorer` returns); right, if ``rows`` (the chapter's
-    runs) are given, :func:`plot_rank_sweep` with the chosen targets and rank circled. Returns the figure."""
+    """Left: stacked bars of the memory breakdown (GB) of full fine-tuning, LoRA and QLoRA from ``data`` (what
+    :func:`labkit.lora.rank_explorer` returns). Middle: LoRA's and QLoRA's bars without their frozen base (weights
+    and quantization scales) on their own scale, where the adapters, their gradients and optimizer states, too thin
+    to see beside the base, show. Right, if ``rows`` (the chapter's runs) are given, :func:`plot_rank_sweep` with the
+    chosen targets and rank circled. Returns the figure."""
     memory = data.get("memory") if isinstance(data, dict) else None
     if not memory or set(memory) != {"full", "lora", "qlora"}:
         raise ValueError("data: expected the dict labkit.lora.rank_explorer returns")
-    panels = 2 if rows else 1
-    fig, axes = plt.subplots(1, panels, figsize=(10 if rows else 5.5, 3.6), squeeze=False)
-    ax = axes[0][0]
-    labels = ["full FT\n(16 B/param)", f"LoRA r={data['rank']}", f"QLoRA r={data['rank']}"]
-    bottoms = [0.0, 0.0, 0.0]
-    for kind in L.FinetuneMemory.KINDS:
-        values = [getattr(memory[m], kind) / 1e9 for m in ("full", "lora", "qlora")]
-        if any(values):
-            ax.bar(labels, values, bottom=bottoms, color=KIND_COLORS[kind], label=kind.replace("_", " "))
-            bottoms = [b + v for b, v in zip(bottoms, values)]
-    for x, total in enumerate(bottoms):
-        ax.annotate(f"{total:.1f} GB", (x, total), ha="center", va="bottom", fontsize=8)
-    ax.set_ylabel("GB (1e9 bytes)")
+    panels = 3 if rows else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 3.6), squeeze=False)
+    ax, zoom = axes[0][0], axes[0][1]
+    rank = data["rank"]
+    _stacked_bars(ax, memory, {"full FT\n(mixed, 16 B/param)": "full", f"LoRA r={rank}": "lora", f"QLoRA r={rank}": "qlora"},
+                  L.FinetuneMemory.KINDS)
     ax.set_title(f"{data['targets']}, {data['trainable']:,} trainable ({data['fraction']:.2%})", fontsize=9)
-    ax.legend(fontsize=7)
+    trained = [kind for kind in L.FinetuneMemory.KINDS if kind not in ("weights", "quant_scales")]
+    _stacked_bars(zoom, memory, {f"LoRA r={rank}": "lora", f"QLoRA r={rank}": "qlora"}, trained)
+    zoom.set_title("LoRA and QLoRA without the frozen base", fontsize=9)
     if rows:
-        plot_rank_sweep(rows, axes[0][1], highlight=(data["targets"], data["rank"]))
-        axes[0][1].set_title("measured on the adder (subtraction)", fontsize=9)
+        plot_rank_sweep(rows, axes[0][2], highlight=(data["targets"], rank))
+        axes[0][2].set_title("measured on the adder (subtraction)", fontsize=9)
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
