@@ -937,6 +937,62 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     return acc / running_sum[..., None]
 
 
+def context_parallel_chunks(world_size: int, layout: str = "zigzag") -> list[tuple[int, int]]:
+    """The two chunks of the sequence cut into ``2N`` that each rank holds, in the order it holds
+    them: ``"contiguous"``, rank ``r`` chunks ``2r`` and ``2r + 1`` (its ``r``-th ``seq/N``
+    positions); ``"zigzag"`` (Llama 3), chunks ``r`` and ``2N - 1 - r``. The positions are
+    :func:`context_parallel_positions`'."""
+    _check_positive_ints(world_size=world_size)
+    if layout not in ("contiguous", "zigzag"):
+        raise ValueError(f"layout={layout!r}: expected 'contiguous' or 'zigzag'")
+    if layout == "contiguous":
+        return [(2 * r, 2 * r + 1) for r in range(world_size)]
+    return [(r, 2 * world_size - 1 - r) for r in range(world_size)]
+
+
+def allgather_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str = "zigzag",
+                                group=None) -> tuple[torch.Tensor, int]:
+    """Causal attention over a sequence split across the ranks of ``group`` the way Llama 3's
+    context parallelism does it (Dubey et al. 2024, section 3.3.2): the sequence is cut into
+    ``2N`` chunks, rank ``r`` holds the queries, keys and values of its two chunks
+    (:func:`context_parallel_chunks`: chunks ``r`` and ``2N - 1 - r`` under ``"zigzag"``),
+    concatenated in that order (``[batch, heads, seq/N, head_dim]``; K/V may have fewer heads,
+    GQA). K and V are **all-gathered** once (one message of both; their gradients are
+    reduce-scattered back in the backward pass), then each query chunk attends to the key chunks
+    at or before it, the last one with the causal mask: exact causal attention on the whole
+    sequence.
+
+    Returns ``(output, blocks)``: this rank's output (``q``'s shape) and the number of
+    chunk-by-chunk score blocks it computed (a query chunk ``c`` needs the ``c + 1`` key chunks
+    ``0..c``). Under ``"zigzag"`` every rank computes ``2N + 1`` blocks; ``"contiguous"`` gives
+    rank ``r`` ``4r + 3``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name}: expected [batch, heads, seq_shard, head_dim], got {getattr(t, 'shape', type(t).__name__)}")
+    if k.shape != v.shape or q.shape[1] % k.shape[1] or q.shape[-2] != k.shape[-2]:
+        raise ValueError(f"q, k, v: expected q [B, H, S, D] and k, v [B, Hkv, S, D] with Hkv dividing H, "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[-2] % 2:
+        raise ValueError(f"q: this rank holds two chunks, so its sequence length must be even, got {q.shape[-2]}")
+    rank, world = _group_rank_size(group)
+    chunks = context_parallel_chunks(world, layout)
+    size = q.shape[-2] // 2
+    kv = gather_from_sequence_parallel(torch.stack((k, v)), group, dim=-2)  # [2, B, Hkv, seq, D], rank after rank
+    kv_by_chunk = {c: kv[..., (2 * j + i) * size:(2 * j + i + 1) * size, :]
+                   for j, held in enumerate(chunks) for i, c in enumerate(held)}
+    group_size = q.shape[1] // k.shape[1]
+    outputs, blocks = [], 0
+    for i, c in enumerate(chunks[rank]):
+        q_chunk = q[..., i * size:(i + 1) * size, :]
+        keys = torch.cat([kv_by_chunk[j] for j in range(c + 1)], dim=-2).repeat_interleave(group_size, dim=2)
+        scores = q_chunk @ keys[0].transpose(-2, -1) / math.sqrt(q.shape[-1])
+        visible = torch.ones(size, (c + 1) * size, dtype=torch.bool, device=q.device)
+        visible[:, c * size:] = causal_mask(size, size, device=q.device)  # the diagonal block
+        outputs.append(torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ keys[1])
+        blocks += c + 1
+    return torch.cat(outputs, dim=-2), blocks
+
+
 def sequence_shard(x: torch.Tensor, rank: int, world_size: int, dim: int = -2) -> torch.Tensor:
     """Rank ``rank``'s contiguous shard of ``x`` along the sequence axis ``dim``."""
     if x.shape[dim] % world_size:
@@ -953,7 +1009,7 @@ def draw_tensor_parallel_mlp(world_size: int = 2):
     import matplotlib.pyplot as plt
 
     _check_positive_ints(world_size=world_size)
-    fig, ax = plt.subplots(figsize=(9, 3.0))
+    fig, ax = plt.subplots(figsize=(9.5, 3.2))
     colors = plt.cm.tab10.colors
 
     def box(x, y, w, h, color, label="", alpha=0.8):
@@ -966,19 +1022,23 @@ def draw_tensor_parallel_mlp(world_size: int = 2):
     ax.text(1.3, 0.85, "×", ha="center", fontsize=14, va="center")
     width = 2.0 / world_size
     for r in range(world_size):
-        box(1.6 + r * width, 0, width, 2, colors[r], f"W1, W3\ncols\n{r}")  # column blocks (as [d_in, d_ff])
-        box(4.2 + r * width, 0, width, 2, colors[r], f"H{r}")
-        box(6.8, 2 - (r + 1) * width, 2, width, colors[r], f"W2 rows {r}")  # row blocks of W2 (as [d_ff, d_in])
-    ax.text(3.9, 1, "SwiGLU\n→", ha="center", fontsize=8, va="center")
-    ax.text(6.4, 1, "×", fontsize=14, va="center")
-    ax.annotate("", xy=(10.3, 1), xytext=(9.0, 1), arrowprops=dict(arrowstyle="->"))
-    ax.text(9.65, 1.25, "g: all-reduce\nΣ_r H_r W2_r", ha="center", fontsize=8, color="purple")
-    box(10.4, 0, 1, 2, "#dddddd", "Z\n(all ranks)")
-    ax.text(2.6, 2.25, "column-parallel", ha="center", fontsize=8)
-    ax.text(7.8, 2.25, "row-parallel", ha="center", fontsize=8)
-    ax.text(5.7, -0.45, "backward: g passes ∂Z on unchanged to every rank; f all-reduces the ranks' partial ∂X",
+        # inside each block only its rank: the blocks are too narrow for more; the headings name them
+        box(1.6 + r * width, 0, width, 2, colors[r], f"{r}")  # column blocks of W1 and W3 (as [d_in, d_ff])
+        box(4.8 + r * width, 0, width, 2, colors[r], f"H{r}")
+        box(7.4, 2 - (r + 1) * width, 2, width, colors[r], f"W2 rows {r}")  # row blocks of W2 (as [d_ff, d_in])
+    ax.text(4.2, 1.25, "SwiGLU", ha="center", fontsize=8, va="center")
+    ax.annotate("", xy=(4.7, 0.95), xytext=(3.7, 0.95), arrowprops=dict(arrowstyle="->"))
+    ax.text(7.0, 1, "×", fontsize=14, va="center")
+    ax.annotate("", xy=(10.9, 1), xytext=(9.6, 1), arrowprops=dict(arrowstyle="->"))
+    ax.text(10.25, 1.25, "g: all-reduce\nΣ_r H_r W2_r", ha="center", fontsize=8, color="purple")
+    box(11.0, 0, 1, 2, "#dddddd", "Z\n(all ranks)")
+    ax.text(2.6, 2.5, "column-parallel", ha="center", fontsize=8)
+    ax.text(2.6, 2.15, "W1, W3: column block of rank r", ha="center", fontsize=7)
+    ax.text(5.8, 2.15, "hidden features of rank r", ha="center", fontsize=7)
+    ax.text(8.4, 2.5, "row-parallel", ha="center", fontsize=8)
+    ax.text(6.0, -0.45, "backward: g passes ∂Z on unchanged to every rank; f all-reduces the ranks' partial ∂X",
             ha="center", fontsize=8, color="purple")
-    ax.set_xlim(-0.2, 11.6)
+    ax.set_xlim(-0.2, 12.2)
     ax.set_ylim(-0.7, 2.9)
     ax.axis("off")
     ax.set_title(f"tensor-parallel SwiGLU MLP on {world_size} ranks: one all-reduce forward (g), one backward (f)", fontsize=10)

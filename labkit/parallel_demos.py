@@ -26,6 +26,8 @@ from labkit.parallel import (
     TensorParallelAttention,
     TensorParallelBlock,
     TensorParallelSwiGLU,
+    allgather_context_attention,
+    context_parallel_positions,
     finish_gradient_synchronization,
     pipeline_comm,
     ring_attention,
@@ -380,6 +382,36 @@ def ring_attention_check(rank: int, world_size: int, batch: int = 2, heads: int 
             "predicted": ring_attention_comm(batch, seq, kv_heads, head_dim, world_size, q.element_size())}
 
 
+def context_parallel_check(rank: int, world_size: int, batch: int = 2, heads: int = 4, kv_heads: int = 2, seq: int = 32,
+                           head_dim: int = 8, seed: int = 0) -> dict:
+    """:func:`labkit.parallel.allgather_context_attention` under both layouts vs full causal
+    attention on the whole sequence: for each layout, the largest differences of this rank's
+    output and q/k/v gradients, the score blocks this rank computed, and the all-gather's calls
+    and bytes (forward) as the meter counted them."""
+    from labkit.attention import plain_attention
+
+    device = rank_device()
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, seq, head_dim, generator=gen).to(device).requires_grad_()
+    k = torch.randn(batch, kv_heads, seq, head_dim, generator=gen).to(device).requires_grad_()
+    v = torch.randn(batch, kv_heads, seq, head_dim, generator=gen).to(device).requires_grad_()
+    grad_out = torch.randn(batch, heads, seq, head_dim, generator=gen).to(device)
+    full = plain_attention(q, k, v, causal=True)
+    (full * grad_out).sum().backward()
+    results = {}
+    for layout in ("contiguous", "zigzag"):
+        positions = torch.tensor(context_parallel_positions(seq, world_size, layout)[rank], device=device)
+        local = [t.detach().index_select(-2, positions).clone().requires_grad_() for t in (q, k, v)]
+        with CommMeter() as forward_meter:
+            out, blocks = allgather_context_attention(*local, layout=layout)
+        (out * grad_out.index_select(-2, positions)).sum().backward()
+        grads = [_max_diff(mine.grad, t.grad.index_select(-2, positions)) for mine, t in zip(local, (q, k, v))]
+        results[layout] = {"output": _max_diff(out, full.index_select(-2, positions)), "q_grad": grads[0], "k_grad": grads[1],
+                           "v_grad": grads[2], "blocks": blocks, "forward": forward_meter.summary(),
+                           "kv_bytes_per_rank": 2 * k.element_size() * batch * kv_heads * (seq // world_size) * head_dim}
+    return results
+
+
 def expert_parallel_traffic(rank: int, world_size: int, tokens_per_rank: int = 48, d_model: int = 32, d_ff: int = 48,
                             num_experts: int = 4, top_k: int = 2, seed: int = 0) -> dict:
     """Chapter 04's :class:`~labkit.moe.ExpertParallelMoE` forward under the meter: its three
@@ -443,5 +475,5 @@ def several(rank: int, world_size: int, demos: dict[str, dict]) -> dict:
 
 
 _DEMOS = {f.__name__: f for f in (tensor_parallel_layers, tensor_parallel_training, torch_tensor_parallel, pipeline_training,
-                                  pipeline_timing, torch_pipelining, ring_attention_check, expert_parallel_traffic,
+                                  pipeline_timing, torch_pipelining, ring_attention_check, context_parallel_check, expert_parallel_traffic,
                                   vocab_parallel_loss)}

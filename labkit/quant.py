@@ -626,6 +626,33 @@ def smoothquant_scales(x: torch.Tensor, weight: torch.Tensor, alpha: float = 0.5
     return torch.where(used, scales, torch.ones_like(scales))
 
 
+def smoothquant_search(weight: torch.Tensor, calibration_inputs: torch.Tensor, bits: int = 8, act_bits: int = 8,
+                       grid: int = 20) -> tuple[torch.Tensor, float]:
+    """SmoothQuant with its migration strength searched: the ``alpha`` among ``grid + 1`` points of
+    [0, 1] whose :func:`smoothquant_scales` give the least relative output error of the layer in
+    W``bits``A``act_bits`` on ``calibration_inputs [..., d_in]``: ``W * s`` round-to-nearest with
+    one scale per output row, ``x / s`` with one scale for the whole tensor (both symmetric).
+    ``alpha = 0`` only equalises the weight's columns; the search includes it, so the result is
+    never worse than that. Returns ``(s, alpha)``, ``s`` fp32 ``[d_in]``."""
+    _check_bits(bits)
+    _check_bits(act_bits)
+    if isinstance(grid, bool) or not isinstance(grid, int) or grid < 1:
+        raise ValueError(f"grid={grid!r}: expected a positive integer")
+    X = calibration_inputs.detach().reshape(-1, calibration_inputs.shape[-1]).float()
+    W = weight.detach().float()
+    best = None
+    for step in range(grid + 1):
+        alpha = step / grid
+        s = smoothquant_scales(X, W, alpha)
+        w_hat = dequantize(quantize(W * s, bits, True, "channel"), torch.float32) / s
+        x_hat = dequantize(quantize(X / s, act_bits, True, "tensor"), torch.float32) * s
+        exact = X.double() @ W.double().T
+        error = ((x_hat.double() @ w_hat.double().T - exact).norm() / exact.norm()).item()
+        if best is None or error < best[0]:
+            best = (error, s, alpha)
+    return best[1], best[2]
+
+
 def int8_matmul_int32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b^T`` of int8 matrices with int32 accumulation, as int8 tensor cores compute it.
 
@@ -841,6 +868,17 @@ class QuantLinear(nn.Module):
     * ``zeros`` - ``uint8 [d_out, groups]`` zero points, asymmetric integer formats only.
     * ``codebook`` (NF4 only) - the 16 levels; a non-persistent buffer, since the format defines
       it (it is not stored per layer, as in bitsandbytes).
+    * ``input_scale`` (AWQ and SmoothQuant only) - ``[d_in]`` in ``scale_dtype``: the factors
+      ``s`` of :func:`awq_quantize` / :func:`smoothquant_scales`. The codes are those of
+      ``W * s`` and ``forward`` divides its input by ``s``; a deployment folds ``1 / s`` into the
+      layer before (a norm's weight, or the rows of the previous linear layer), so there it costs
+      nothing. Here it is kept with the layer, and counted.
+
+    ``act_bits`` (an int, or ``None`` for weight-only): the input (after the division by ``s``)
+    is quantized too, symmetric round-to-nearest with one scale for the whole input tensor,
+    computed from the tensor itself (dynamic per-tensor scaling, as in W8A8 inference). The
+    matmul then runs on the dequantized operands, which equals an integer matmul with int32
+    accumulation times the two scales, up to fp32 rounding.
 
     ``forward``: dequantize the weight and multiply in the input's dtype (memory-bound decoding
     would rather never materialize ``W``); with ``use_triton=True`` (4- and 8-bit formats) it
@@ -849,7 +887,8 @@ class QuantLinear(nn.Module):
     """
 
     def __init__(self, d_in: int, d_out: int, method: str = "int4", bits: int | None = None, group_size: int | None = None,
-                 symmetric: bool = True, scale_dtype: torch.dtype = torch.float16, use_triton: bool = False, device=None):
+                 symmetric: bool = True, scale_dtype: torch.dtype = torch.float16, use_triton: bool = False, device=None,
+                 input_scale: bool = False, act_bits: int | None = None):
         super().__init__()
         self.fmt, self.bits = _method_format(method, bits)
         if self.fmt == "nf4" and not symmetric:
@@ -866,13 +905,16 @@ class QuantLinear(nn.Module):
                 raise ValueError(f"use_triton=True: the kernel reads 4- and 8-bit formats, not {self.bits}-bit")
             if self.bits == 4 and d_in % 2:
                 raise ValueError(f"use_triton=True: 4-bit rows must hold whole bytes, so d_in={d_in} must be even")
-        self.d_in, self.d_out, self.symmetric, self.use_triton = d_in, d_out, symmetric, use_triton
+        if act_bits is not None:
+            _check_bits(act_bits)
+        self.d_in, self.d_out, self.symmetric, self.use_triton, self.act_bits = d_in, d_out, symmetric, use_triton, act_bits
         self.group_size = group_size if group_size is not None and group_size < d_in else None
         num_groups = math.ceil(d_in / self.group_size) if self.group_size else 1
         self.register_buffer("qweight", torch.zeros(d_out, math.ceil(d_in * self.bits / 8), dtype=torch.uint8, device=device))
         self.register_buffer("scales", torch.ones(d_out, num_groups, dtype=scale_dtype, device=device))
         self.register_buffer("zeros", None if symmetric else torch.zeros(d_out, num_groups, dtype=torch.uint8, device=device))
         self.register_buffer("codebook", nf4_codebook().to(device) if self.fmt == "nf4" else None, persistent=False)
+        self.register_buffer("input_scale", torch.ones(d_in, dtype=scale_dtype, device=device) if input_scale else None)
 
     @property
     def group(self) -> int:
@@ -883,23 +925,39 @@ class QuantLinear(nn.Module):
     @torch.no_grad()
     def from_linear(cls, linear: nn.Module, method: str = "int4", group_size: int | None = None, *, bits: int | None = None,
                     symmetric: bool = True, gptq_inputs: torch.Tensor | None = None, damp: float = 0.01,
-                    scale_dtype: torch.dtype = torch.float16, use_triton: bool = False) -> "QuantLinear":
+                    scale_dtype: torch.dtype = torch.float16, use_triton: bool = False, input_scale: torch.Tensor | None = None,
+                    act_bits: int | None = None) -> "QuantLinear":
         """Quantize ``linear.weight`` (``[d_out, d_in]``; ``labkit.nn.Linear`` or a bias-free
         ``torch.nn.Linear``): ``method`` ``"int8"``, ``"int4"``, ``"int"`` (with ``bits`` 2..8)
         or ``"nf4"``, round-to-nearest, or GPTQ (integer formats) when ``gptq_inputs``
-        (the layer's inputs ``[..., d_in]``) are given."""
+        (the layer's inputs ``[..., d_in]``) are given. ``input_scale`` (positive ``[d_in]``,
+        AWQ's or SmoothQuant's factors ``s``): the codes are those of ``weight * s`` (``s`` as
+        stored, in ``scale_dtype``) and the layer divides its input by ``s``. ``act_bits``:
+        quantize the input too (see the class)."""
         weight = getattr(linear, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise TypeError(f"linear: expected a module with a 2-D weight, got {type(linear).__name__}")
         if getattr(linear, "bias", None) is not None:
             raise ValueError("linear: has a bias; QuantLinear is bias-free like labkit.nn.Linear")
         d_out, d_in = weight.shape
-        layer = cls(d_in, d_out, method, bits, group_size, symmetric, scale_dtype, use_triton, device=weight.device)
+        layer = cls(d_in, d_out, method, bits, group_size, symmetric, scale_dtype, use_triton, device=weight.device,
+                    input_scale=input_scale is not None, act_bits=act_bits)
         if gptq_inputs is not None and layer.fmt != "int":
             raise ValueError(f"gptq_inputs: GPTQ here quantizes to integer grids; method={method!r} is not one")
+        weight = weight.detach().float()
+        if input_scale is not None:
+            if (not isinstance(input_scale, torch.Tensor) or input_scale.shape != (d_in,)
+                    or not torch.isfinite(input_scale).all() or not (input_scale > 0).all()):
+                raise ValueError(f"input_scale: expected {d_in} positive finite factors (one per input feature)")
+            layer.input_scale.copy_(input_scale.to(scale_dtype))
+            if not (layer.input_scale > 0).all() or not torch.isfinite(layer.input_scale).all():
+                raise ValueError(f"input_scale: not representable in scale_dtype={scale_dtype}; use torch.float32")
+            weight = weight * layer.input_scale.float().to(weight.device)
+            if gptq_inputs is not None:
+                gptq_inputs = gptq_inputs / layer.input_scale.float().to(gptq_inputs.device)
         # A last group shorter than group_size is padded with zero weights (and zero inputs for
         # GPTQ): zeros change neither an absmax nor a min/max range that always contains 0.
-        padded = nn.functional.pad(weight.detach().float(), (0, (-d_in) % layer.group))
+        padded = nn.functional.pad(weight, (0, (-d_in) % layer.group))
         if layer.fmt == "nf4":
             codes, scales = nf4_encode(padded.reshape(d_out, -1, layer.group))
             codes, zeros = codes.reshape(d_out, -1), None
@@ -942,6 +1000,10 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 0 or x.shape[-1] != self.d_in:
             raise ValueError(f"x: last dim must be d_in={self.d_in}, got shape {tuple(x.shape)}")
+        if self.input_scale is not None:
+            x = x / self.input_scale.to(x.dtype)
+        if self.act_bits is not None:
+            x = dequantize(quantize(x, self.act_bits, True, "tensor"), x.dtype)
         if self.use_triton and _triton_usable():
             from labkit.kernels.quant_matmul import quant_matmul
 
@@ -961,7 +1023,8 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         kind = "nf4" if self.fmt == "nf4" else f"int{self.bits}{'' if self.symmetric else ' asymmetric'}"
-        return f"d_in={self.d_in}, d_out={self.d_out}, {kind}, group_size={self.group_size}, scales={self.scales.dtype}"
+        extra = (", input_scale" if self.input_scale is not None else "") + (f", act_bits={self.act_bits}" if self.act_bits else "")
+        return f"d_in={self.d_in}, d_out={self.d_out}, {kind}, group_size={self.group_size}, scales={self.scales.dtype}{extra}"
 
 
 def _method_format(method: str, bits: int | None) -> tuple[str, int]:
@@ -1066,6 +1129,7 @@ class QuantizationReport:
     weight_bytes_before: int  # the quantized layers' weights, as they were
     weight_bytes_after: int  # their buffers now: codes, scales, zeros
     quantized_parameters: int
+    act_bits: int | None = None  # None: weight-only
 
     @property
     def bits_per_parameter(self) -> float:
@@ -1077,24 +1141,31 @@ class QuantizationReport:
         return self.bytes_before / self.bytes_after
 
 
-QUANTIZE_MODEL_METHODS = ("rtn", "gptq", "nf4")
+QUANTIZE_MODEL_METHODS = ("rtn", "gptq", "nf4", "awq", "smoothquant")
+CALIBRATED_METHODS = ("gptq", "awq", "smoothquant")
 
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, method: str = "rtn", bits: int = 4, group_size: int | None = None, symmetric: bool = True,
                    skip=("lm_head",), calibration: torch.Tensor | None = None, scale_dtype: torch.dtype = torch.float16,
-                   use_triton: bool = False, damp: float = 0.01) -> tuple[nn.Module, QuantizationReport]:
+                   use_triton: bool = False, damp: float = 0.01, act_bits: int | None = None) -> tuple[nn.Module, QuantizationReport]:
     """A copy of ``model`` whose :class:`labkit.nn.Linear` layers are :class:`QuantLinear`; the
     original is untouched. Returns ``(quantized_model, report)``.
 
     * ``method``: ``"rtn"`` (round to nearest, ``bits`` 2..8), ``"gptq"`` (needs
-      ``calibration`` token ids ``[batch, seq]``) or ``"nf4"`` (4 bits).
+      ``calibration`` token ids ``[batch, seq]``), ``"nf4"`` (4 bits), ``"awq"`` (weight-only,
+      :func:`awq_quantize`'s searched scales, symmetric) or ``"smoothquant"`` (W``bits``
+      A``act_bits``, :func:`smoothquant_search`'s searched migration strength, one weight scale
+      per row, symmetric); the last two need ``calibration`` too. Their factors ``s`` are kept
+      as each layer's ``input_scale``.
+    * ``act_bits``: also quantize each quantized layer's input, one dynamic scale per tensor
+      (:class:`QuantLinear`); ``None`` is weight-only. SmoothQuant needs it.
     * ``skip``: layers left in full precision; an entry matches a layer's full name
       (``fnmatch`` patterns such as ``"layers.0.*"``) or its last component (``"w2"``). The LM
       head is skipped by default, as GPTQ and bitsandbytes do: it is small next to the blocks of
       a large model and its errors go straight into the logits.
-    * GPTQ goes block by block, as in the paper: each transformer block is calibrated on the
-      inputs it receives from the blocks already quantized, so later layers correct for the
+    * GPTQ (and AWQ and SmoothQuant) go block by block, as in the GPTQ paper: each transformer
+      block is calibrated on the inputs it receives from the blocks already quantized, so later layers correct for the
       errors of earlier ones (all layers of one block are calibrated on the same pass).
     * If the LM head shares its weight with the embedding (``tie_embeddings``) and is quantized,
       the embedding keeps the full-precision copy.
@@ -1103,8 +1174,12 @@ def quantize_model(model: nn.Module, method: str = "rtn", bits: int = 4, group_s
         raise ValueError(f"method={method!r}: expected one of {QUANTIZE_MODEL_METHODS}")
     if method == "nf4" and bits != 4:
         raise ValueError(f"bits={bits}: NF4 is a 4-bit format")
-    if method == "gptq" and calibration is None:
-        raise ValueError("calibration: method='gptq' needs token ids [batch, seq] to calibrate on")
+    if method in CALIBRATED_METHODS and calibration is None:
+        raise ValueError(f"calibration: method={method!r} needs token ids [batch, seq] to calibrate on")
+    if method == "smoothquant" and act_bits is None:
+        raise ValueError("act_bits: SmoothQuant smooths the activations for their quantization; give act_bits (8 for W8A8)")
+    if method in ("awq", "smoothquant") and (group_size is not None or not symmetric):
+        raise ValueError(f"method={method!r}: labkit's version is symmetric with one scale per row (group_size=None)")
     if isinstance(skip, str):
         skip = (skip,)
     quantized = copy.deepcopy(model)
@@ -1116,21 +1191,28 @@ def quantize_model(model: nn.Module, method: str = "rtn", bits: int = 4, group_s
 
     def replace(names, inputs=None):
         for name in names:
-            layer = QuantLinear.from_linear(quantized.get_submodule(name), layer_method, group_size, bits=layer_bits,
-                                            symmetric=symmetric, gptq_inputs=None if inputs is None else inputs[name],
-                                            damp=damp, scale_dtype=scale_dtype, use_triton=use_triton)
+            linear = quantized.get_submodule(name)
+            input_scale = None
+            if method == "awq":
+                input_scale = awq_quantize(linear.weight, inputs[name], bits)[1]
+            elif method == "smoothquant":
+                input_scale = smoothquant_search(linear.weight, inputs[name], bits, act_bits)[0]
+            layer = QuantLinear.from_linear(linear, layer_method, group_size, bits=layer_bits, symmetric=symmetric,
+                                            gptq_inputs=inputs[name] if method == "gptq" else None, damp=damp,
+                                            scale_dtype=scale_dtype, use_triton=use_triton, input_scale=input_scale,
+                                            act_bits=act_bits)
             parent, _, child = name.rpartition(".")
             setattr(quantized.get_submodule(parent) if parent else quantized, child, layer)
 
-    if method == "gptq":
+    if method in CALIBRATED_METHODS:
         quantized.eval()
-        for stage in _gptq_stages(targets):
+        for stage in _calibration_stages(targets):
             replace(stage, capture_linear_inputs(quantized, calibration, set(stage)))
     else:
         replace(targets)
     report = QuantizationReport(method, 4 if method == "nf4" else bits, group_size, targets, bytes_before,
                                 state_dict_bytes(quantized), weight_bytes_before,
-                                sum(state_dict_bytes(quantized.get_submodule(n)) for n in targets), parameters)
+                                sum(state_dict_bytes(quantized.get_submodule(n)) for n in targets), parameters, act_bits)
     return quantized, report
 
 
@@ -1138,7 +1220,7 @@ def _skipped(name: str, skip) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) or name.rpartition(".")[2] == pattern for pattern in skip)
 
 
-def _gptq_stages(names: list[str]) -> list[list[str]]:
+def _calibration_stages(names: list[str]) -> list[list[str]]:
     """Layers grouped by transformer block (``layers.{i}.*``), in order; others (the LM head) last."""
     stages: dict[str, list[str]] = {}
     for name in names:
@@ -1177,17 +1259,18 @@ DEFAULT_SWEEP = (
 def compare_quantizations(model: nn.Module, task: ArithmeticTask, configs=DEFAULT_SWEEP, calibration: torch.Tensor | None = None,
                           split: str = "val", max_examples: int | None = None, skip=("lm_head",)) -> list[dict]:
     """One row per configuration (plus the unquantized model first): method, bits, group size,
-    measured bits per quantized weight, model bytes, accuracy and loss (:func:`evaluate_adder`).
-    ``configs``: keyword dicts for :func:`quantize_model`; GPTQ rows use ``calibration``
+    activation bits (``"act"``: ``"-"`` for weight-only), measured bits per quantized weight,
+    model bytes, accuracy and loss (:func:`evaluate_adder`). ``configs``: keyword dicts for
+    :func:`quantize_model`; GPTQ, AWQ and SmoothQuant rows use ``calibration``
     (default: :func:`calibration_tokens` of ``task``)."""
-    if calibration is None and any(c.get("method") == "gptq" for c in configs):
+    if calibration is None and any(c.get("method") in CALIBRATED_METHODS for c in configs):
         calibration = calibration_tokens(task, device=next(model.parameters()).device)
     float_bits = 8 * next(model.parameters()).element_size()
-    rows = [{"method": "none", "bits": float_bits, "group": "-", "bits/param": float(float_bits), "bytes": state_dict_bytes(model),
+    rows = [{"method": "none", "bits": float_bits, "group": "-", "act": "-", "bits/param": float(float_bits), "bytes": state_dict_bytes(model),
              **evaluate_adder(model, task, split, max_examples)}]
     for config in configs:
         quantized, report = quantize_model(model, calibration=calibration, skip=skip, **config)
-        rows.append({"method": report.method, "bits": report.bits, "group": report.group_size or "row",
+        rows.append({"method": report.method, "bits": report.bits, "group": report.group_size or "row", "act": report.act_bits or "-",
                      "bits/param": report.bits_per_parameter, "bytes": report.bytes_after,
                      **evaluate_adder(quantized, task, split, max_examples)})
     return rows

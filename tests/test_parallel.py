@@ -20,6 +20,7 @@ def two():
         "tensor_parallel_layers": {}, "tensor_parallel_training": {"steps": 2}, "torch_tensor_parallel": {},
         "pipeline_training": {"micro_batches": 4}, "ring_attention_check": {}, "expert_parallel_traffic": {},
         "pipeline_timing": {"micro_batch_counts": (1, 8)}, "torch_pipelining": {}, "vocab_parallel_loss": {},
+        "context_parallel_check": {},
     })
 
 
@@ -28,7 +29,7 @@ def four():
     return launch(parallel_demos.several, world_size=4, backend="gloo", timeout=300, quiet=True, demos={
         "tensor_parallel_layers": {}, "pipeline_training": {"micro_batches": 6, "micro_batch": 1, "steps": 1},
         "ring_attention_check": {}, "torch_tensor_parallel": {}, "torch_pipelining": {"micro_batches": 4, "micro_batch": 1},
-        "vocab_parallel_loss": {},
+        "vocab_parallel_loss": {}, "context_parallel_check": {},
     })
 
 
@@ -234,6 +235,45 @@ def test_ring_attention_equals_full_attention(request, world):
         assert r["backward"]["send"]["bytes"] == r["predicted"]["bytes_sent"]
 
 
+@pytest.mark.parametrize("world", ["two", "four"])
+def test_allgather_context_attention_equals_full_attention_and_zigzag_balances_the_work(request, world):
+    runs = _runs(request, world)
+    n = len(runs)
+    for rank in runs:
+        for layout in ("contiguous", "zigzag"):
+            r = runs[rank]["context_parallel_check"][layout]
+            assert max(r["output"], r["q_grad"], r["k_grad"], r["v_grad"]) < TOL, (layout, r)
+            # one all-gather of K and V together; a ring all-gather sends N - 1 of the N shards
+            assert r["forward"] == {"all_gather": {"calls": 1, "bytes": r["kv_bytes_per_rank"],
+                                                   "sent": (n - 1) * r["kv_bytes_per_rank"]}}
+        assert runs[rank]["context_parallel_check"]["zigzag"]["blocks"] == 2 * n + 1
+        assert runs[rank]["context_parallel_check"]["contiguous"]["blocks"] == 4 * rank + 3
+    # the blocks computed are the causal work of causal_attention_work, in chunk units
+    chunk = 32 // (2 * n)
+    for layout in ("contiguous", "zigzag"):
+        blocks = [runs[r]["context_parallel_check"][layout]["blocks"] for r in sorted(runs)]
+        assert sum(blocks) == 2 * n * (2 * n + 1) // 2
+        work = P.causal_attention_work(32, n, layout)
+        # a computed block of chunk x chunk scores minus the masked half of each diagonal block
+        assert work == [b * chunk * chunk - 2 * chunk * (chunk - 1) // 2 for b in blocks]
+
+
+def test_context_parallel_chunks_and_bad_arguments():
+    assert P.context_parallel_chunks(4, "zigzag") == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert P.context_parallel_chunks(2, "contiguous") == [(0, 1), (2, 3)]
+    for n in (2, 4):
+        for layout in ("contiguous", "zigzag"):
+            positions = P.context_parallel_positions(32, n, layout)
+            size = 32 // (2 * n)
+            assert positions == [[c * size + i for c in held for i in range(size)] for held in P.context_parallel_chunks(n, layout)]
+    with pytest.raises(ValueError, match="layout"):
+        P.context_parallel_chunks(4, "striped")
+    with pytest.raises(ValueError, match="q, k, v"):
+        P.allgather_context_attention(torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 6, 8), torch.zeros(1, 2, 6, 8))
+    with pytest.raises(ValueError, match="even"):
+        P.allgather_context_attention(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))
+
+
 def test_meter_sees_chapter_04s_all_to_all(two):
     for rank in two:
         r = two[rank]["expert_parallel_traffic"]
@@ -415,3 +455,28 @@ def test_peak_in_flight_counts_what_a_stage_holds():
     # interleaved, p = 4, v = 2: 2(p-1) + (v-1)p = 10 warm-up chunk forwards, one more before the first backward
     assert P.peak_in_flight(P.interleaved_one_f_one_b_schedule(4, 8, 0, 2), chunks=2) == 11 / 2
     assert P.peak_in_flight(P.simulate_schedule("1f1b", 4, 6)[0]) == 4  # events work too
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tensor_parallel_mlp_drawing_has_no_overlapping_labels(world_size):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = P.draw_tensor_parallel_mlp(world_size)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    texts = [t for t in ax.texts if t.get_text()]
+    boxes = [t.get_window_extent(renderer) for t in texts]
+    for i, a in enumerate(boxes):
+        for j in range(i + 1, len(boxes)):
+            assert not a.overlaps(boxes[j]), (texts[i].get_text(), texts[j].get_text())
+    # every label inside a block fits its block
+    for patch in ax.patches:
+        box = patch.get_window_extent(renderer)
+        for text, extent in zip(texts, boxes):
+            if box.contains(*extent.get_points().mean(axis=0)):
+                assert box.x0 <= extent.x0 and extent.x1 <= box.x1, text.get_text()
+    plt.close(fig)

@@ -403,6 +403,68 @@ def test_awq_is_never_worse_than_rounding_and_helps_with_outlier_features():
         Q.layer_output_error(x_tame, weight, Q.dequantize(Q.quantize(weight, 4, True, "channel")))
 
 
+def test_smoothquant_search_beats_no_smoothing_and_prefers_the_middle_with_outliers():
+    gen = torch.Generator().manual_seed(12)
+    x, weight = torch.randn(400, 32, generator=gen), torch.randn(16, 32, generator=gen) * 0.1
+    x[:, [5, 20]] *= 30.0
+
+    def w8a8_error(s):
+        w_hat = Q.dequantize(Q.quantize(weight * s, 8, True, "channel")) / s
+        x_hat = Q.dequantize(Q.quantize(x / s, 8, True, "tensor")) * s
+        exact = x.double() @ weight.double().T
+        return ((x_hat.double() @ w_hat.double().T - exact).norm() / exact.norm()).item()
+
+    s, alpha = Q.smoothquant_search(weight, x, grid=10)
+    assert s.shape == (32,) and 0 < alpha < 1
+    assert torch.equal(s, Q.smoothquant_scales(x, weight, alpha))
+    for other in (0.0, 0.3, 1.0):
+        assert w8a8_error(s) <= w8a8_error(Q.smoothquant_scales(x, weight, other)) + 1e-12
+    assert w8a8_error(s) < 0.6 * w8a8_error(torch.ones(32))
+    with pytest.raises(ValueError, match="grid"):
+        Q.smoothquant_search(weight, x, grid=0)
+    with pytest.raises(ValueError, match="bits"):
+        Q.smoothquant_search(weight, x, act_bits=1)
+
+
+def test_quant_linear_with_input_scale_and_activation_bits():
+    gen = torch.Generator().manual_seed(13)
+    linear = Linear(32, 16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(16, 32, generator=gen) * 0.1)
+    x = torch.randn(5, 7, 32, generator=gen)
+    s = torch.rand(32, generator=gen) + 0.5
+    layer = Q.QuantLinear.from_linear(linear, "int8", input_scale=s)
+    s_stored = s.half().float()
+    assert layer.input_scale.dtype == torch.float16 and torch.equal(layer.input_scale.float(), s_stored)
+    expected_codes = Q.quantize(linear.weight.detach() * s_stored, 8, True, "channel").codes
+    assert torch.equal(layer.codes(), expected_codes)
+    assert "input_scale" in layer.state_dict()
+    torch.testing.assert_close(layer(x), (x / s_stored) @ layer.dequantized_weight().T)
+    w8a8 = Q.QuantLinear.from_linear(linear, "int8", input_scale=s, act_bits=8)
+    x_hat = Q.dequantize(Q.quantize(x / s_stored, 8, True, "tensor"))
+    torch.testing.assert_close(w8a8(x), x_hat @ w8a8.dequantized_weight().T)
+    assert "act_bits=8" in repr(w8a8) and "act_bits" not in repr(layer)
+    for bad in (torch.zeros(32), torch.ones(31), -torch.ones(32)):
+        with pytest.raises(ValueError, match="input_scale"):
+            Q.QuantLinear.from_linear(linear, "int8", input_scale=bad)
+    with pytest.raises(ValueError, match="bits"):
+        Q.QuantLinear.from_linear(linear, "int8", act_bits=1)
+
+
+def test_quantize_model_awq_and_smoothquant_keep_their_factors(adder):
+    model, task, calibration = adder
+    awq, report = Q.quantize_model(model, "awq", bits=4, calibration=calibration)
+    layers = [awq.get_submodule(n) for n in report.quantized_layers]
+    assert report.act_bits is None and all(layer.input_scale is not None and layer.act_bits is None for layer in layers)
+    # the factors are stored (fp16, one per input feature): counted in the measured bits per weight
+    assert report.bits_per_parameter > Q.quantize_model(model, "rtn", bits=4)[1].bits_per_parameter
+    smooth, report = Q.quantize_model(model, "smoothquant", bits=8, act_bits=8, calibration=calibration)
+    assert report.act_bits == 8 and all(smooth.get_submodule(n).act_bits == 8 for n in report.quantized_layers)
+    rows = Q.compare_quantizations(model, task, [dict(method="smoothquant", bits=8, act_bits=8)], calibration=calibration,
+                                   max_examples=100)
+    assert rows[1]["act"] == 8 and rows[0]["act"] == "-" and rows[1]["accuracy"] >= 0.95
+
+
 @pytest.mark.parametrize("kwargs, words", [(dict(grid=0), "grid"), (dict(calibration_inputs=torch.ones(5, 3)), "calibration"),
                                            (dict(bits=1), "bits")])
 def test_awq_rejects_bad_arguments(kwargs, words):
@@ -563,8 +625,14 @@ def test_quantize_model_skip_patterns_and_errors(adder):
     assert report.quantized_layers == [f"layers.0.{n}" for n in kept]
     with pytest.raises(ValueError, match="calibration"):
         Q.quantize_model(model, "gptq", bits=3)
-    with pytest.raises(ValueError, match="method='awq'"):
+    with pytest.raises(ValueError, match="method='hqq'"):
+        Q.quantize_model(model, "hqq")
+    with pytest.raises(ValueError, match="calibration"):
         Q.quantize_model(model, "awq")
+    with pytest.raises(ValueError, match="act_bits"):
+        Q.quantize_model(model, "smoothquant", bits=8, calibration=calibration)
+    with pytest.raises(ValueError, match="group_size"):
+        Q.quantize_model(model, "awq", group_size=32, calibration=calibration)
     with pytest.raises(ValueError, match="bits=3: NF4"):
         Q.quantize_model(model, "nf4", bits=3)
 
