@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -595,6 +595,11 @@ MiB = 2**20
 class _Block:
     size: int
     allocated: bool = False
+    pending: set = field(default_factory=set)  # streams whose work must finish before a freed block is reused
+
+    @property
+    def reusable(self) -> bool:
+        return not self.allocated and not self.pending
 
 
 @dataclass
@@ -602,6 +607,8 @@ class _Segment:
     pool: str  # "small" or "large"
     blocks: list  # _Blocks in address order; together they cover the segment
     expandable: bool = False
+    stream: int = 0  # the stream it was allocated for: its free blocks serve only that stream's requests
+    number: int = 0  # the order of its cudaMalloc, an address for this simulation
 
     @property
     def size(self) -> int:
@@ -642,6 +649,20 @@ class CachingAllocatorSimulator:
     ``num_ooms`` and raises ``torch.OutOfMemoryError`` with the numbers PyTorch's message gives (with
     ``max_split_size_mb`` set, the real allocator first frees only the unsplittable cached blocks; this simulation
     frees all free segments at once). The counters have the names of ``torch.cuda.memory_stats()``'s.
+
+    **Streams.** Every request is made on a ``stream`` (an int; 0 the default stream) and each segment belongs to
+    the stream it was allocated for: its free blocks serve only that stream's requests (the real allocator keys
+    its free blocks by stream), so a block freed on one stream is never handed to another, whose kernels could
+    run at the same time. The allocator knows only the allocating stream. If another stream still uses the
+    memory (a copy on a side stream, an NCCL collective), the block freed on its own stream would go to the next
+    request there *while the other stream still reads it*; ``record_stream(handle, stream)``
+    (``Tensor.record_stream``) tells it, and ``free`` then records an event on each such stream and leaves the
+    block *pending* (``active_pending_free`` in a snapshot: not allocated, not reusable) until every event has
+    completed. Streams here have no clock: ``stream_done(stream)`` says that all work queued on ``stream`` so
+    far has finished, completing its events (the real allocator notices at its next request, querying the
+    events); ``empty_cache()`` and the retry at capacity wait for every pending event first, as the real
+    ``release_cached_blocks`` does (``synchronize_and_free_events``). ``address(handle)`` is where a live
+    allocation lies: ``(segment number, offset)``.
     """
 
     MIN_BLOCK_SIZE = 512
@@ -670,6 +691,7 @@ class CachingAllocatorSimulator:
         self._live: dict[int, _Block] = {}
         self._next_handle = 0
         self.cuda_malloc_calls = 0
+        self._segments_made = 0
 
     # --- the sizes
     @classmethod
@@ -687,17 +709,18 @@ class CachingAllocatorSimulator:
         return -(-size // cls.ROUND_LARGE) * cls.ROUND_LARGE
 
     # --- allocating and freeing
-    def malloc(self, nbytes: int) -> int:
-        """Allocate ``nbytes`` (> 0); returns a handle for :meth:`free`."""
+    def malloc(self, nbytes: int, stream: int = 0) -> int:
+        """Allocate ``nbytes`` (> 0) on ``stream``; returns a handle for :meth:`free`."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes={nbytes!r}: expected a positive integer")
+        _check_stream(stream)
         size = self.round_size(nbytes)
         pool = "small" if size <= self.SMALL_SIZE else "large"
-        found = self._cached_block(size, pool) or self._new_memory(size, pool)
+        found = self._cached_block(size, pool, stream) or self._new_memory(size, pool, stream)
         if found is None:  # cudaMalloc failed: free the cached segments and try once more
             self.empty_cache()
             self.num_alloc_retries += 1
-            found = self._new_memory(size, pool)
+            found = self._new_memory(size, pool, stream)
         if found is None:
             self.num_ooms += 1
             raise torch.OutOfMemoryError(
@@ -715,9 +738,9 @@ class CachingAllocatorSimulator:
         self._live[self._next_handle] = block
         return self._next_handle
 
-    def _cached_block(self, size: int, pool: str):
-        fits = [(b.size, s, i) for s, seg in enumerate(self.segments) if seg.pool == pool
-                for i, b in enumerate(seg.blocks) if not b.allocated and b.size >= size]
+    def _cached_block(self, size: int, pool: str, stream: int):
+        fits = [(b.size, s, i) for s, seg in enumerate(self.segments) if seg.pool == pool and seg.stream == stream
+                for i, b in enumerate(seg.blocks) if b.reusable and b.size >= size]
         if not fits:
             return None
         best, s, i = min(fits)  # the smallest that fits (ties: the lowest address)
@@ -727,19 +750,21 @@ class CachingAllocatorSimulator:
             return None
         return self.segments[s], i
 
-    def _new_memory(self, size: int, pool: str):
+    def _new_memory(self, size: int, pool: str, stream: int):
         """A new segment (or the expandable segment grown) for ``size``; None where ``capacity`` forbids it."""
         if not self.expandable_segments:
             if self.reserved + self.segment_size(size) > self.capacity:
                 return None
             self.cuda_malloc_calls += 1
-            self.segments.append(_Segment(pool, [_Block(self.segment_size(size))]))
+            self._segments_made += 1
+            self.segments.append(_Segment(pool, [_Block(self.segment_size(size))], stream=stream, number=self._segments_made))
             return self.segments[-1], 0
-        segment = next((seg for seg in self.segments if seg.pool == pool), None)
+        segment = next((seg for seg in self.segments if seg.pool == pool and seg.stream == stream), None)
         if segment is None:
-            segment = _Segment(pool, [], expandable=True)
+            self._segments_made += 1
+            segment = _Segment(pool, [], expandable=True, stream=stream, number=self._segments_made)
             self.segments.append(segment)
-        if not segment.blocks or segment.blocks[-1].allocated:
+        if not segment.blocks or not segment.blocks[-1].reusable:
             segment.blocks.append(_Block(0))
         tail = segment.blocks[-1]  # the free end of the segment grows by whole pages
         page = self.SMALL_BUFFER if pool == "small" else self.LARGE_BUFFER
@@ -754,29 +779,73 @@ class CachingAllocatorSimulator:
         return segment, len(segment.blocks) - 1
 
     def free(self, handle: int) -> None:
-        """Free an allocation: its block merges with free neighbours and stays cached."""
-        if handle not in self._live:
-            raise ValueError(f"handle={handle!r}: not a live allocation of this allocator")
-        block = self._live.pop(handle)
+        """Free an allocation: its block merges with free neighbours and stays cached; if other
+        streams were recorded as using it, it waits (pending) until their work is done."""
+        block = self._live_block(handle)
+        del self._live[handle]
         block.allocated = False
+        if block.pending:  # events recorded on the other streams: reuse waits for them
+            return
+        self._merge_free(block)
+
+    def record_stream(self, handle: int, stream: int) -> None:
+        """``Tensor.record_stream``: the allocation is also used by ``stream``'s queued work, so
+        when it is freed it must not be reused before that work is done."""
+        _check_stream(stream)
+        block = self._live_block(handle)
+        if stream != self._segment_of(block).stream:
+            block.pending.add(stream)
+
+    def stream_done(self, stream: int) -> None:
+        """All work queued on ``stream`` so far has finished: its events complete, and blocks that
+        waited only for them become free (and merge)."""
+        _check_stream(stream)
         for segment in self.segments:
-            if any(b is block for b in segment.blocks):
-                merged: list[_Block] = []
-                for b in segment.blocks:
-                    if merged and not b.allocated and not merged[-1].allocated:
-                        merged[-1].size += b.size
-                    else:
-                        merged.append(b)
-                segment.blocks = merged
-                return
+            for block in list(segment.blocks):
+                if not block.allocated and stream in block.pending:
+                    block.pending.discard(stream)
+                    if not block.pending:
+                        self._merge_free(block)
+
+    def address(self, handle: int) -> tuple[int, int]:
+        """``(segment number, byte offset)`` of a live allocation: equal addresses mean the same memory."""
+        block = self._live_block(handle)
+        segment = self._segment_of(block)
+        offset = 0
+        for b in segment.blocks:
+            if b is block:
+                return segment.number, offset
+            offset += b.size
+        raise AssertionError("unreachable: a live block lies in its segment")
+
+    def _live_block(self, handle: int) -> _Block:
+        if isinstance(handle, bool) or handle not in self._live:
+            raise ValueError(f"handle={handle!r}: not a live allocation of this allocator")
+        return self._live[handle]
+
+    def _segment_of(self, block: _Block) -> _Segment:
+        return next(seg for seg in self.segments if any(b is block for b in seg.blocks))
+
+    def _merge_free(self, block: _Block) -> None:
+        segment = self._segment_of(block)
+        merged: list[_Block] = []
+        for b in segment.blocks:
+            if merged and b.reusable and merged[-1].reusable:
+                merged[-1].size += b.size
+            else:
+                merged.append(b)
+        segment.blocks = merged
 
     def empty_cache(self) -> None:
         """Return cached memory to the driver: every segment that is entirely free (expandable
-        segments: the whole pages of the free block at their end)."""
+        segments: the whole pages of the free block at their end), after waiting for every
+        pending block's streams."""
+        for stream in {st for seg in self.segments for b in seg.blocks for st in b.pending}:
+            self.stream_done(stream)
         kept = []
         for segment in self.segments:
             if segment.expandable:
-                tail = segment.blocks[-1] if segment.blocks and not segment.blocks[-1].allocated else None
+                tail = segment.blocks[-1] if segment.blocks and segment.blocks[-1].reusable else None
                 if tail is not None:
                     page = self.SMALL_BUFFER if segment.pool == "small" else self.LARGE_BUFFER
                     tail.size %= page
@@ -784,7 +853,7 @@ class CachingAllocatorSimulator:
                         segment.blocks.pop()
                 if segment.blocks:
                     kept.append(segment)
-            elif any(b.allocated for b in segment.blocks):
+            elif not all(b.reusable for b in segment.blocks):
                 kept.append(segment)
         self.segments = kept
 
@@ -801,22 +870,61 @@ class CachingAllocatorSimulator:
 
     def snapshot(self) -> list[dict]:
         """The segments in ``torch.cuda.memory_snapshot()``'s format (the keys this simulation knows):
-        ``segment_type``, ``total_size``, ``allocated_size``, ``blocks`` of ``size`` and ``state``."""
-        return [{"segment_type": seg.pool, "total_size": seg.size,
+        ``segment_type``, ``total_size``, ``allocated_size``, ``stream``, ``blocks`` of ``size`` and ``state``
+        (``active_allocated``, ``active_pending_free``: freed, waiting for other streams, or ``inactive``)."""
+        def state(b: _Block) -> str:
+            return "active_allocated" if b.allocated else "active_pending_free" if b.pending else "inactive"
+
+        return [{"segment_type": seg.pool, "total_size": seg.size, "stream": seg.stream,
                  "allocated_size": sum(b.size for b in seg.blocks if b.allocated),
-                 "blocks": [{"size": b.size, "state": "active_allocated" if b.allocated else "inactive"} for b in seg.blocks]}
+                 "blocks": [{"size": b.size, "state": state(b)} for b in seg.blocks]}
                 for seg in self.segments]
+
+
+def cuda_stream_reuse(record_stream: bool, nbytes: int = 4 * MiB, busy_cycles: int = 500_000_000) -> dict:
+    """The simulator's stream scenario on the real CUDA caching allocator: a tensor made on the
+    current stream is used by a side stream kept busy (``torch.cuda._sleep``), then freed; with
+    ``record_stream`` it was recorded on the side stream (``Tensor.record_stream``). Returns
+    ``reused_while_busy`` (the next request of its size got its address while the side stream was
+    still running) and ``reused_after_done`` (after the side stream finished, a request got it)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("cuda_stream_reuse needs a CUDA device; CachingAllocatorSimulator shows the same on a CPU")
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    where = x.data_ptr()
+    side.wait_stream(torch.cuda.current_stream())  # the side stream starts after x exists
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(busy_cycles)  # stands for a copy or collective reading x
+        if record_stream:
+            x.record_stream(side)
+    del x
+    y = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    reused_while_busy = y.data_ptr() == where and not side.query()
+    del y
+    side.synchronize()
+    z = torch.empty(nbytes, dtype=torch.uint8, device="cuda")  # the request polls the events: x's block is free now
+    reused_after_done = z.data_ptr() == where
+    del z
+    return dict(reused_while_busy=reused_while_busy, reused_after_done=reused_after_done)
+
+
+def _check_stream(stream) -> None:
+    if isinstance(stream, bool) or not isinstance(stream, int) or stream < 0:
+        raise ValueError(f"stream={stream!r}: expected a non-negative integer (0: the default stream)")
 
 
 def segment_layout(snapshot: list[dict]) -> list[str]:
     """One line per segment of a (real or simulated) ``memory_snapshot``: its pool, size and blocks
-    (``#`` allocated, ``.`` cached free), in MiB (KiB where not a whole MiB)."""
+    (``#`` allocated, ``.`` cached free, ``~`` freed but pending: other streams may still use it), in MiB
+    (KiB where not a whole MiB)."""
     def size(b: int) -> str:
         return f"{b // MiB} MiB" if b % MiB == 0 else f"{b / 1024:g} KiB"
 
     lines = []
     for seg in snapshot:
-        blocks = " | ".join(("#" if blk["state"] == "active_allocated" else ".") + " " + size(blk["size"]) for blk in seg["blocks"])
+        marks = {"active_allocated": "#", "active_pending_free": "~"}
+        blocks = " | ".join(marks.get(blk["state"], ".") + " " + size(blk["size"]) for blk in seg["blocks"])
         lines.append(f"{seg['segment_type']:<5} segment {size(seg['total_size']):>8}: [{blocks}]")
     return lines
 

@@ -571,3 +571,92 @@ def test_autocast_weight_copies_finds_the_saved_bf16_copy_of_every_matmul_weight
     assert copies == {"1.weight": 2 * 16 * 8, "3.weight": 2 * 4 * 16}  # the embedding and the norm are not cast
     with pytest.raises(TypeError, match="model"):
         autocast_weight_copies(lambda: None, lambda: None)
+
+
+def test_a_block_freed_on_its_stream_is_reused_at_once_unless_another_stream_was_recorded():
+    sim = CachingAllocatorSimulator()
+    x = sim.malloc(4 * MiB)
+    where = sim.address(x)
+    sim.free(x)  # a side stream may still read x: nothing tells the allocator
+    assert sim.address(sim.malloc(4 * MiB)) == where  # handed out again at once
+
+    sim = CachingAllocatorSimulator()
+    x = sim.malloc(4 * MiB)
+    where = sim.address(x)
+    sim.record_stream(x, 1)
+    sim.free(x)
+    assert [b["state"] for b in sim.snapshot()[0]["blocks"]] == ["active_pending_free", "inactive"]
+    assert sim.allocated == 0 and sim.reserved == 20 * MiB  # freed, not allocated, and not reusable yet
+    y = sim.malloc(4 * MiB)
+    assert sim.address(y) != where and sim.address(y)[0] == where[0]  # the rest of the segment
+    sim.free(y)
+    sim.stream_done(1)  # stream 1's work up to the free has finished: the event completes
+    assert [b["state"] for b in sim.snapshot()[0]["blocks"]] == ["inactive"]  # merged with its free neighbour
+    assert sim.address(sim.malloc(4 * MiB)) == where
+
+
+def test_record_stream_on_the_allocating_stream_changes_nothing_and_every_recorded_stream_must_finish():
+    sim = CachingAllocatorSimulator()
+    x = sim.malloc(1000, stream=2)
+    sim.record_stream(x, 2)
+    sim.free(x)
+    assert sim.snapshot()[0]["blocks"][0]["state"] == "inactive"
+    x = sim.malloc(1000, stream=2)
+    sim.record_stream(x, 0)
+    sim.record_stream(x, 1)
+    sim.free(x)
+    sim.stream_done(0)
+    assert sim.snapshot()[0]["blocks"][0]["state"] == "active_pending_free"
+    sim.stream_done(1)
+    assert sim.snapshot()[0]["blocks"][0]["state"] == "inactive"
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_free_blocks_serve_only_their_own_streams_requests(expandable):
+    sim = CachingAllocatorSimulator(expandable_segments=expandable)
+    sim.free(sim.malloc(4 * MiB, stream=0))
+    y = sim.malloc(4 * MiB, stream=1)  # stream 0's cached 20 MiB are not offered to stream 1
+    assert sim.reserved == 40 * MiB and len(sim.segments) == 2
+    assert [seg["stream"] for seg in sim.snapshot()] == [0, 1]
+    assert sim.address(y) == (2, 0)  # the start of the second segment made
+
+
+def test_empty_cache_and_the_retry_at_capacity_wait_for_pending_blocks():
+    sim = CachingAllocatorSimulator()
+    x = sim.malloc(4 * MiB)
+    sim.record_stream(x, 1)
+    sim.free(x)
+    sim.empty_cache()
+    assert sim.reserved == 0
+    sim = CachingAllocatorSimulator(capacity=20 * MiB)
+    x = sim.malloc(12 * MiB)  # its own 12 MiB segment
+    sim.record_stream(x, 1)
+    sim.free(x)
+    sim.malloc(8 * MiB)  # needs a 20 MiB segment: only after the pending one is released
+    assert sim.num_alloc_retries == 1 and sim.num_ooms == 0 and sim.reserved == 20 * MiB
+
+
+def test_stream_arguments_are_checked():
+    sim = CachingAllocatorSimulator()
+    with pytest.raises(ValueError, match="stream"):
+        sim.malloc(512, stream=-1)
+    x = sim.malloc(512)
+    with pytest.raises(ValueError, match="stream"):
+        sim.record_stream(x, True)
+    sim.free(x)
+    with pytest.raises(ValueError, match="handle"):
+        sim.record_stream(x, 1)
+    with pytest.raises(ValueError, match="handle"):
+        sim.address(x)
+    with pytest.raises(ValueError, match="stream"):
+        sim.stream_done("side")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("record", [False, True])
+def test_record_stream_defers_reuse_on_cuda(record):
+    from labkit.memory import cuda_stream_reuse
+
+    result = cuda_stream_reuse(record)
+    assert result["reused_while_busy"] is (not record)
+    assert result["reused_after_done"]
