@@ -30,10 +30,12 @@ it (``labkit.checks._core.DELEGATES``). A run that outlasts the time limit, leav
 marker in its environment, even as a daemon), changes a file of the teacher's (the chapters, the submissions,
 an earlier run's CSV and reports) or reads an earlier run's CSV or reports (seen through the file's access time,
 under Linux's default ``relatime``; the CSV is also written readable by its owner only) is graded ``error``.
-Chapter 05's ``LoRALinear`` grader has to exercise the layers the learner's class makes in place (parameters
-edited, backward run), so that part (its probe) runs in the learner's process; the verdict is still decided
-here, from the probe's record, against the grader's own reference: a forged record passes only if it is what
-a correct layer does. Files it leaves in its own folders are reported in rows
+A few graders have to drive the learner's objects in place: chapter 05's ``LoRALinear`` (parameters edited,
+backward run), chapter 12's ``block_manager`` (an allocator called method by method), ``plan_step`` (a plan read
+field by field) and ``speculative_accept`` (``torch.Generator`` objects made where the function lives). That part
+(their probe) runs in the learner's process and only records what came back; the verdict is still decided here,
+from the probe's record, against the grader's own reference: a forged record passes only if it is what a right
+answer does. Files a run leaves in its own folders are reported in rows
 with the exercise ``(notebook)`` and the result ``contained``.
 
 What it does not guarantee: that the learner wrote the answer (a classmate's or a copied one passes like any

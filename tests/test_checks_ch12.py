@@ -304,3 +304,111 @@ def test_plan_step_names_the_mistake(wrong, hint):
 def test_plan_step_wants_a_plan():
     with pytest.raises(CheckFailed, match="StepPlan"):
         checks.plan_step(lambda *args: {"scheduled": {}})
+
+
+# ----------------------------------------------------------------------------- under labkit.grade: probe and judge
+def _handle(obj, exercise):
+    """The learner's object behind a Remote handle whose requests cross as bytes (as in tests/test_remote.py)."""
+    from labkit.checks import _remote
+
+    class LocalTransport(_remote.Transport):
+        def exchange(self, request: bytes) -> bytes:
+            return _remote.handle(request, {"mine": obj})
+
+    return _remote.Remote(LocalTransport(), "mine", exercise)
+
+
+@pytest.mark.parametrize("exercise, right, wrong, words", [
+    ("block_manager", PlainRefCounted, NoCopyOnWrite, "copy"),
+    ("block_manager", PlainRefCounted, WrongError, "PoolExhaustedError"),
+    ("plan_step", plain_plan, preempts_oldest, "NEWEST"),
+    ("plan_step", plain_plan, mutates_running, "left as"),
+])
+def test_the_verdicts_are_the_same_through_a_handle(exercise, right, wrong, words, capsys):
+    import labkit.checks as graded
+
+    getattr(graded, exercise)(_handle(right, exercise))
+    assert f"✓ {exercise}" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match=words):
+        getattr(graded, exercise)(_handle(wrong, exercise))
+
+
+def test_through_a_handle_an_instance_and_labkits_class_are_refused():
+    import labkit.checks as graded
+    from labkit.checks import DelegationRefused
+
+    with pytest.raises(CheckFailed, match="the class itself"):
+        graded.block_manager(_handle(PlainRefCounted(4, 4), "block_manager"))
+    with pytest.raises(DelegationRefused, match="BlockManager"):
+        graded.block_manager(_handle(BlockManager, "block_manager"))
+
+
+def test_the_block_manager_verdict_comes_from_the_judge_not_from_the_probe():
+    # Under labkit.grade the probe runs in the learner's process and could be replaced there: the judge, in the
+    # grading process, replays every case beside labkit's BlockManager and rejects a record that was tampered with.
+    import copy
+
+    cases = checks._block_cases()
+    honest = checks._probe_block_manager(PlainRefCounted, cases)
+    checks._judge_block_manager(cases, honest, [])
+    grow = next(i for i, op in enumerate(cases[0][2], start=1) if op[0] == "grow")
+
+    def refcount(records):
+        records[0][-1]["refcounts"][0] += 1
+
+    def free(records):
+        records[3][5]["free"] -= 1
+
+    def table(records):
+        records[0][grow]["tables"][0].append(5)
+
+    def slots(records):
+        records[0][grow]["slots"][0] = (9, 9)
+
+    def copies(records):
+        event = next(e for r in records for e in r if e.get("copies"))
+        event["copies"] = []
+
+    def failed_grow_succeeds(records):
+        event = next(e for r in records for e in r if e.get("raised"))
+        del event["raised"]
+
+    def cut_short(records):
+        records[5].pop()
+
+    for tamper in (refcount, free, table, slots, copies, failed_grow_succeeds, cut_short):
+        records = copy.deepcopy(honest)
+        tamper(records)
+        with pytest.raises(CheckFailed):
+            checks._judge_block_manager(cases, records, [])
+    for forged in ([], honest[:-1], None, [[{}]] * len(cases), [[{"tables": {}, "free": 0}]] * len(cases)):
+        with pytest.raises(CheckFailed):
+            checks._judged(checks._judge_block_manager, "block_manager", cases, forged, [])
+
+
+def test_the_plan_step_verdict_comes_from_the_judge_not_from_the_probe():
+    import copy
+
+    cases = checks._plan_cases()
+    honest = checks._probe_plan_step(plain_plan, copy.deepcopy(cases))
+    checks._judge_plan_step(cases, honest)
+    busy = next(i for i, r in enumerate(honest) if r["plan"][0])
+
+    def count(records):
+        (rid, n), *rest = records[busy]["plan"][0]
+        records[busy]["plan"] = ([(rid, n + 1), *rest], *records[busy]["plan"][1:])
+
+    def again(records):
+        records[busy]["again"] = ([], [], [])
+
+    def after(records):
+        records[busy]["after"] = ([], [])
+
+    for tamper in (count, again, after):
+        records = copy.deepcopy(honest)
+        tamper(records)
+        with pytest.raises(CheckFailed):
+            checks._judge_plan_step(cases, records)
+    for forged in ([], honest[:-1], None, [{}] * len(cases), [{"plan": None, "again": None, "after": None}] * len(cases)):
+        with pytest.raises(CheckFailed):
+            checks._judged(checks._judge_plan_step, "plan_step", cases, forged)

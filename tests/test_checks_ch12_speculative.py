@@ -190,3 +190,64 @@ def test_delegating_to_labkit_is_refused():
     grader = refuse_delegation(checks.speculative_accept, "speculative_accept")
     with pytest.raises(DelegationRefused, match="speculative_accept"):
         grader(lambda *args: speculative_accept(*args))
+
+
+# ----------------------------------------------------------------------------- under labkit.grade: probe and judge
+def _handle(fn):
+    """The learner's function behind a Remote handle whose requests cross as bytes (as in tests/test_remote.py)."""
+    from labkit.checks import _remote
+
+    class LocalTransport(_remote.Transport):
+        def exchange(self, request: bytes) -> bytes:
+            return _remote.handle(request, {"mine": fn})
+
+    return _remote.Remote(LocalTransport(), "mine", "speculative_accept")
+
+
+def test_the_verdicts_are_the_same_through_a_handle(capsys):
+    import labkit.checks as graded
+
+    graded.speculative_accept(_handle(loop_answer))
+    assert "✓ speculative_accept:" in capsys.readouterr().out
+    for wrong, message in ((correction_from_target, "max\\(0, p"), (one_uniform_for_all, "one fresh uniform|chi-square"),
+                           (inverted_ratio, "greedy decoding"), (returns_a_list_of_my_own, "torch.Tensor")):
+        with pytest.raises(CheckFailed, match=message):
+            graded.speculative_accept(_handle(wrong))
+    with pytest.raises(CheckFailed, match="labkit's answer to this exercise"):  # refused in the learner's process
+        graded.speculative_accept(_handle(lambda *args: speculative_accept(*args)))
+
+
+def returns_a_list_of_my_own(q, p, tokens, generator):
+    return loop_answer(q, p, tokens, generator).tolist()
+
+
+def test_the_verdicts_come_from_the_judge_not_from_the_probe():
+    # Under labkit.grade the probes run in the learner's process and could be replaced there: the judges, in the
+    # grading process, check every token a probe reports, so a forged record passes only if it is what a right
+    # answer returns.
+    description, q, p, draft, expected, _, hint = next(checks._certain_cases())
+    tokens = torch.tensor(draft)
+    outs = checks._probe_certain(loop_answer, q, p, tokens, description, hint)
+    checks._judge_certain(outs, q, p, tokens, description, expected, None, hint)
+    for forged in (outs[:3], [outs[0][:-1]] * 4, [torch.tensor(expected[:-1] + [0])] * 4, [expected] * 4, None):
+        with pytest.raises(CheckFailed):
+            checks._judged(checks._judge_certain, "speculative_accept", forged, q, p, tokens, description, expected, None, hint)
+
+    gen = torch.Generator().manual_seed(5)
+    q, p = checks._random_probs(3, 5, gen), checks._random_probs(4, 5, gen)
+    drafts = torch.stack([torch.multinomial(q, 1, generator=gen)[:, 0] for _ in range(12)])
+    pairs = checks._probe_generator(loop_answer, q, p, drafts)
+    checks._judge_generator(pairs, q, p, drafts)
+    for forged in ([[a, a.flip(0)] for a, _ in pairs], [pairs[0]] * 12, pairs[:-1]):
+        with pytest.raises(CheckFailed):
+            checks._judged(checks._judge_generator, "speculative_accept", forged, q, p, drafts)
+
+    q, p = checks._random_probs(2, 3, gen), checks._random_probs(3, 3, gen)
+    drawing = torch.Generator().manual_seed(1)
+    drafts = torch.multinomial(q, checks.TRIALS, replacement=True, generator=drawing).T
+    outs = checks._probe_distribution(loop_answer, q, p, drafts, drawing.get_state(), "the distribution")
+    checks._check_distribution(outs, q, p, drafts, "the distribution")
+    always_accepted = [torch.cat([t, torch.tensor([0])]) for t in drafts]  # every draft accepted: too many tokens
+    for forged in (always_accepted, outs[: len(outs) // 2] * 2, outs[:-1], [o.tolist() for o in outs]):
+        with pytest.raises(CheckFailed):
+            checks._judged(checks._check_distribution, "speculative_accept", forged, q, p, drafts, "the distribution")
