@@ -227,6 +227,82 @@ def test_timeit_keeps_the_thread_count():
     assert torch.get_num_threads() == before
 
 
+def test_cache_flush_bytes_is_twice_the_cache_in_whole_words():
+    assert H.cache_flush_bytes(50 * H.MiB) == 100 * H.MiB  # an H100's L2 -> 100 MiB written between runs
+    assert H.cache_flush_bytes(32 * H.MiB, factor=4) == 128 * H.MiB
+    assert H.cache_flush_bytes(3) == 8  # 6 bytes rounded up to two 4-byte words
+    for bad in (dict(cache_bytes=0), dict(cache_bytes=-1), dict(cache_bytes=1024, factor=0), dict(cache_bytes=1.5)):
+        with pytest.raises(ValueError):
+            H.cache_flush_bytes(**bad)
+
+
+def test_cache_flush_zeroes_a_buffer_of_that_size():
+    flush = H.CacheFlush(1 * H.MiB)
+    assert flush.buffer.numel() * flush.buffer.element_size() == 2 * H.MiB and flush.buffer.device.type == "cpu"
+    flush.buffer.fill_(7)
+    flush()
+    assert int(flush.buffer.abs().sum()) == 0
+
+
+class HostEvent:
+    """A CUDA-event look-alike stamped by the host clock: lets the event loop run on a CPU."""
+
+    def record(self):
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return (end.at - self.at) * 1e3
+
+
+def test_time_with_events_flushes_before_each_run_outside_the_time():
+    log, syncs = [], []
+
+    def call():
+        log.append("call")
+        time.sleep(0.002)
+        return len(log)
+
+    def flush():
+        log.append("flush")
+        time.sleep(0.02)
+
+    ms, last = H.time_with_events(call, HostEvent, lambda: syncs.append(len(log)), warmup=2, repeats=3, flush=flush)
+    assert log == ["call"] * 2 + ["flush", "call"] * 3 and last == len(log)
+    assert syncs == [2, 8]  # once after the warm-up, once after the last run: never between runs
+    assert len(ms) == 3 and all(2 <= m < 20 for m in ms)  # each run's 2 ms, none of the flush's 20 ms
+
+
+def test_time_with_events_rejects_bad_arguments():
+    for bad in (dict(warmup=-1), dict(repeats=0), dict(repeats=True)):
+        with pytest.raises(ValueError):
+            H.time_with_events(lambda: None, HostEvent, lambda: None, **bad)
+    with pytest.raises(TypeError):
+        H.time_with_events(3, HostEvent, lambda: None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
+def test_gpu_time_on_a_cpu_says_why_it_cannot_run():
+    with pytest.raises(RuntimeError, match="no CUDA device") as err:
+        H.gpu_time(torch.ones, 8)
+    assert "do_bench" in str(err.value) and "timeit" in str(err.value)
+    with pytest.raises(TypeError):
+        H.gpu_time(3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_time_times_the_kernel_and_a_cold_l2_costs_time():
+    import triton.testing
+
+    a = torch.randn(4096, 4096, device="cuda")
+    timing = H.gpu_time(torch.matmul, a, a, repeats=10)
+    assert timing.median > 2 * 4096**3 / 2e15 and timing.number == 1 and len(timing.samples) == 10
+    bench_ms = triton.testing.do_bench(lambda: torch.matmul(a, a), return_mode="median")
+    assert 0.5 < timing.median * 1e3 / bench_ms < 2  # the same loop as do_bench's
+    x = torch.randn(8 << 20, device="cuda")  # 32 MiB: fits an H100's 50 MiB L2
+    cold, warm = H.gpu_time(x.sum, repeats=20), H.gpu_time(x.sum, repeats=20, flush_l2=False)
+    assert cold.median > warm.median
+
+
 def test_compare_interleaves_and_reports_the_paired_speedup():
     order = []
     slow = lambda: (order.append("slow"), time.sleep(0.004))  # noqa: E731
@@ -402,26 +478,58 @@ def test_sweeps_measure_the_device_they_are_given():
 
 
 # ----------------------------------------------------------------------------- profiling
-def test_profile_step_returns_the_ops_it_ran(tmp_path):
+def test_profile_step_records_the_active_steps_of_its_schedule(tmp_path):
     a, b = torch.randn(64, 64), torch.randn(64, 64)
+    calls = []
 
     def step():
+        calls.append(1)
         return (a @ b).relu().sum()
 
-    result = H.profile_step(step, steps=2, trace_path=tmp_path / "trace.json")
+    result = H.profile_step(step, wait=1, warmup=1, active=2, trace_path=tmp_path / "trace.json")
+    assert len(calls) == 4 and result.steps == (2, 3)  # steps 0 (wait) and 1 (warm-up) are not recorded
     names = result.names()
     assert {"aten::mm", "aten::relu", "aten::sum"} <= set(names) or {"aten::matmul", "aten::relu", "aten::sum"} <= set(names)
     mm = next(r for r in result.rows if r["name"] in ("aten::mm", "aten::matmul"))
     assert mm["calls"] == 2 and "[64, 64]" in mm["shapes"] and mm["self_ms"] >= 0
-    assert "Self CPU" in result.table
-    events = H.trace_events(result.trace_path)
-    assert any(e["name"] == "aten::mm" for e in events) and any(e["name"] == "step 1" for e in events)
+    assert result.calls["aten::relu"] == 2 and result.calls[mm["name"]] == 2
+    assert "Self CPU" in result.table and not any(n.startswith("ProfilerStep") for n in names)
+    events = H.trace_events(result.trace_path)  # written by on_trace_ready when the active steps ended
+    assert any(e["name"] == "aten::mm" for e in events)
+    assert sorted(e["name"] for e in events if e["name"].startswith("ProfilerStep")) == ["ProfilerStep#2", "ProfilerStep#3"]
     json.loads(result.trace_path.read_text())
 
 
+@pytest.mark.parametrize("kwargs", [dict(active=0), dict(wait=-1), dict(warmup=1.5), dict(row_limit=0)])
+def test_profile_step_rejects_bad_schedules(kwargs):
+    with pytest.raises(ValueError):
+        H.profile_step(lambda: None, **kwargs)
+    with pytest.raises(TypeError):
+        H.profile_step(3)
+
+
 def test_profile_to_tempdir_leaves_no_file():
-    result, events = H.profile_to_tempdir(lambda: torch.ones(10).add(1), steps=1, warmup=0)
-    assert result.trace_path is None and any(e["name"] == "aten::add" for e in events)
+    result, events = H.profile_to_tempdir(lambda: torch.ones(10).add(1), wait=0, warmup=1, active=1)
+    assert result.trace_path is None and result.steps == (1,) and any(e["name"] == "aten::add" for e in events)
+
+
+def test_traced_graphs_counts_graphs_ops_and_breaks(capfd):
+    fused = H.traced_graphs(H.gelu_unfused, torch.randn(100))
+    assert fused == {"graphs": 1, "ops": 9, "breaks": 0, "reasons": []}  # one graph: the formula's nine ops
+
+    def reads_back(x):
+        y = x * 2
+        if y.sum().item() > 0:  # a value read back to the host: the trace stops here
+            return y + 1
+        return y - 1
+
+    broken = H.traced_graphs(reads_back, torch.ones(4))
+    assert broken["graphs"] == 2 and broken["breaks"] == 1 and len(broken["reasons"]) == 1
+    reason, code = broken["reasons"][0]
+    assert "item()" in reason and code == "if y.sum().item() > 0:  # a value read back to the host: the trace stops here"
+    assert "Graph break" not in capfd.readouterr().err
+    with pytest.raises(TypeError):
+        H.traced_graphs(3)
 
 
 # ----------------------------------------------------------------------------- the slow loops
