@@ -12,9 +12,12 @@ generated, the **true** reward of any response is known, so preference pairs can
 * :class:`RewardModel`, :func:`bradley_terry_loss`, :func:`preference_accuracy`;
 * :func:`dpo_loss` (with the quantities TRL logs, label smoothing, and IPO);
 * :func:`grpo_advantages`, :func:`grpo_loss` (GRPO and Dr. GRPO), :func:`grpo_step`, :func:`kl_estimate`;
+* InstructGPT's PPO: :class:`ValueModel`, :func:`ppo_token_rewards` (the KL in every token's reward),
+  :func:`gae_advantages`, :func:`ppo_loss` (clipped value loss optional), :func:`ppo_step`; what it costs beside
+  GRPO: :class:`PassCounter`, :func:`rl_state_bytes`;
 * :func:`expected_grpo_gradient`, :func:`expected_kl_loss_gradient`: exact expected updates on a small
   categorical policy (GRPO's length and difficulty weighting; which KL the k3 term's gradient follows);
-* training helpers :func:`train_sft`, :func:`train_reward_model`, :func:`train_dpo`, :func:`train_grpo`
+* training helpers :func:`train_sft`, :func:`train_reward_model`, :func:`train_dpo`, :func:`train_grpo`, :func:`train_ppo`
   on :mod:`labkit.train`'s AdamW, clipping and cosine schedule, with a progress bar;
 * :func:`load_early_adder`: the shipped adder's recipe stopped early (:data:`EARLY_STEPS`), a weak
   starting point for reinforcement learning (``python -m labkit.preference`` re-creates the asset).
@@ -315,27 +318,35 @@ def policy_report(model: nn.Module, task: ArithmeticTask, split: str = "val", pr
 
 
 # ============================================================================ reward model
-class RewardModel(nn.Module):
-    """A language model's trunk (a copy of ``backbone`` with its LM head removed) and a scalar head read at
-    each sequence's last real token: ``r(prompt, response)``. Both responses of a pair go through the same
-    network; only the difference of their scores enters the loss (:func:`bradley_terry_loss`)."""
+class _TrunkWithScalarHead(nn.Module):
+    """A copy of a language model's trunk (its LM head removed: it returns the final-norm hidden states) and a
+    trainable scalar head; the reward model and PPO's value model differ only in where they read it."""
 
     def __init__(self, backbone: TransformerLM):
         super().__init__()
         if not isinstance(backbone, TransformerLM):
             raise TypeError(f"backbone: expected a labkit TransformerLM, got {type(backbone).__name__}")
         self.trunk = copy.deepcopy(backbone)
-        self.trunk.lm_head = nn.Identity()  # the trunk now returns the final-norm hidden states
+        self.trunk.lm_head = nn.Identity()
         weight = backbone.lm_head.weight
         self.head = Linear(backbone.config.d_model, 1, device=weight.device, dtype=weight.dtype)
         self.trunk.requires_grad_(True)
 
-    def forward(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Scores ``[batch]`` of ``prompt + response``, read at the response's last real token."""
+    def _hidden(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor) -> torch.Tensor:
         _check_ids("prompt_ids", prompt_ids)
         _check_ids("response_ids", response_ids)
+        return self.trunk(torch.cat([prompt_ids, response_ids], dim=1).long())
+
+
+class RewardModel(_TrunkWithScalarHead):
+    """A language model's trunk (a copy of ``backbone`` with its LM head removed) and a scalar head read at
+    each sequence's last real token: ``r(prompt, response)``. Both responses of a pair go through the same
+    network; only the difference of their scores enters the loss (:func:`bradley_terry_loss`)."""
+
+    def forward(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Scores ``[batch]`` of ``prompt + response``, read at the response's last real token."""
+        hidden = self._hidden(prompt_ids, response_ids)
         mask = _response_mask(response_ids, response_mask)
-        hidden = self.trunk(torch.cat([prompt_ids, response_ids], dim=1).long())
         last = prompt_ids.shape[1] + mask.sum(dim=1) - 1
         return self.head(hidden[torch.arange(hidden.shape[0], device=hidden.device), last]).squeeze(-1).float()
 
@@ -500,9 +511,7 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.Ten
     if loss_type not in GRPO_LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r}: expected one of {GRPO_LOSS_TYPES}")
     mask = mask.float()
-    ratio = torch.exp(logps - old_logps.detach())
-    adv = advantages.detach()[:, None]
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    surrogate, clipped = clipped_surrogate(logps, old_logps, advantages[:, None], clip)
     log_ratio_ref = ref_logps.detach() - logps
     k3 = torch.exp(log_ratio_ref) - log_ratio_ref - 1
     per_token = surrogate - beta * k3
@@ -510,9 +519,19 @@ def grpo_loss(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.Ten
         loss = -((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1)).mean()
     else:
         loss = -(per_token * mask).sum() / mask.numel()
-    clipped = ((ratio - ratio.clamp(1 - clip, 1 + clip)).abs() > 0).float()
     tokens = mask.sum().clamp_min(1)
     return GRPOLoss(loss, ((k3 * mask).sum() / tokens).detach(), ((clipped * mask).sum() / tokens).detach())
+
+
+def clipped_surrogate(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate per token (Schulman et al., 2017), ``min(rho A, clip(rho, 1 - clip, 1 + clip) A)``
+    with ``rho = exp(logps - old_logps)`` (``old_logps`` and ``advantages`` constants; ``advantages`` broadcast
+    against ``logps``: ``[n, 1]`` for one per response as in GRPO, ``[n, T]`` per token as in PPO), and a float
+    mask of the tokens whose ratio lies outside the clip range."""
+    ratio = torch.exp(logps - old_logps.detach())
+    adv = advantages.detach()
+    bounded = ratio.clamp(1 - clip, 1 + clip)
+    return torch.minimum(ratio * adv, bounded * adv), (ratio != bounded).float()
 
 
 def grpo_step(policy: nn.Module, ref: nn.Module, prompts: torch.Tensor, reward_fn: Callable, group_size: int,
@@ -557,6 +576,214 @@ def kl_to_reference(policy: nn.Module, ref: nn.Module, task: ArithmeticTask, spl
     prompts = encode_prompts(task, task.pairs(split)[:max_examples], device).repeat_interleave(samples, 0)
     ids, mask = sample_responses(policy, prompts, task, 1.0, torch.Generator().manual_seed(seed))
     return kl_estimate(token_logprobs(policy, prompts, ids, mask), token_logprobs(ref, prompts, ids, mask), mask, estimator).mean().item()
+
+
+# ============================================================================ PPO with a value model (InstructGPT)
+class ValueModel(_TrunkWithScalarHead):
+    """PPO's critic: a copy of ``backbone``'s trunk with a scalar head read at every response position (a
+    separate network, as in InstructGPT, where it starts from the reward model; here from ``backbone``).
+    ``V[:, t]`` estimates the return from the state before response token ``t`` (prompt + response_<t),
+    read at position ``P + t - 1``: the positions whose logits predict the response tokens."""
+
+    def forward(self, prompt_ids: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Values ``[batch, response_len]`` (fp32), 0 where ``response_mask`` is False."""
+        mask = _response_mask(response_ids, response_mask)
+        hidden = self._hidden(prompt_ids, response_ids[:, :-1])[:, prompt_ids.shape[1] - 1:]
+        return self.head(hidden).squeeze(-1).float().masked_fill(~mask, 0.0)
+
+
+def ppo_token_rewards(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor, scores: torch.Tensor,
+                      beta: float) -> torch.Tensor:
+    """The per-token reward of RLHF's PPO (Stiennon et al., 2020; Ouyang et al., 2022):
+    ``-beta * (log pi(y_t) - log pi_ref(y_t))`` at every response token (the k1 KL estimate as a penalty), plus
+    the sequence's score (a reward model's or a verifier's, ``[n]``) at its last real token; 0 on padding.
+    ``[n, T]``, no gradient."""
+    if not (logps.shape == ref_logps.shape == mask.shape) or scores.shape != logps.shape[:1]:
+        raise ValueError(f"logps, ref_logps, mask: expected one shape [n, T] and scores [n], got "
+                         f"{[tuple(t.shape) for t in (logps, ref_logps, mask, scores)]}")
+    if beta < 0:
+        raise ValueError(f"beta={beta!r}: expected beta >= 0")
+    mask = _response_mask(mask, mask)
+    rewards = (-beta * (logps - ref_logps).detach()).masked_fill(~mask, 0.0)
+    last = mask.sum(dim=1) - 1
+    if bool((last < 0).any()):
+        raise ValueError("mask: every response needs at least one real token to carry its score")
+    rows = torch.arange(len(scores), device=rewards.device)
+    rewards[rows, last] += scores.to(rewards.dtype).detach()
+    return rewards
+
+
+def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+                   lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al., 2016): ``A_t = sum_l (gamma lam)^l delta_{t+l}`` with
+    the TD residual ``delta_t = r_t + gamma V_{t+1} - V_t``, the value after a response's last real token being 0
+    (the episode ends there). ``rewards``, ``values`` ``[n, T]``, ``mask`` right-padded. Returns
+    ``(advantages, returns)``, ``returns = advantages + values`` (the value head's target); 0 on padding.
+    ``lam = 1`` gives the Monte-Carlo return minus the value, ``lam = 0`` the one-step TD residual."""
+    if not (rewards.shape == values.shape == mask.shape) or rewards.dim() != 2:
+        raise ValueError(f"rewards, values, mask: expected one shape [n, T], got "
+                         f"{[tuple(t.shape) for t in (rewards, values, mask)]}")
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+        raise ValueError(f"gamma={gamma!r}, lam={lam!r}: expected both in [0, 1]")
+    mask = _response_mask(mask, mask)
+    rewards, values = rewards.detach().masked_fill(~mask, 0.0), values.detach().masked_fill(~mask, 0.0)
+    next_values = torch.nn.functional.pad(values[:, 1:], (0, 1))  # 0 after the last real token (and on padding)
+    deltas = rewards + gamma * next_values - values
+    advantages = torch.zeros_like(deltas)
+    running = torch.zeros_like(deltas[:, 0])
+    for t in reversed(range(deltas.shape[1])):
+        running = deltas[:, t] + gamma * lam * running
+        advantages[:, t] = running
+    advantages = advantages.masked_fill(~mask, 0.0)
+    return advantages, (advantages + values).masked_fill(~mask, 0.0)
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp_min(1)
+
+
+def _whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``x`` shifted and scaled to mean 0 and std 1 over the real tokens of the batch (TRL's ``masked_whiten``)."""
+    mean = _masked_mean(x, mask)
+    std = _masked_mean((x - mean) ** 2, mask).sqrt()
+    return ((x - mean) / (std + eps)).masked_fill(~mask, 0.0)
+
+
+class PPOLoss(NamedTuple):
+    loss: torch.Tensor  # scalar, minimised: policy_loss + value_weight * value_loss
+    policy_loss: torch.Tensor
+    value_loss: torch.Tensor
+    clip_fraction: torch.Tensor  # fraction of tokens whose ratio was clipped
+    value_clip_fraction: torch.Tensor  # fraction of tokens whose clipped value loss was the larger
+
+
+def ppo_loss(logps: torch.Tensor, old_logps: torch.Tensor, values: torch.Tensor, old_values: torch.Tensor,
+             advantages: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float = 0.2,
+             value_clip: float | None = 0.2, value_weight: float = 0.1) -> PPOLoss:
+    """PPO's loss over per-token advantages ``[n, T]`` (from :func:`gae_advantages`), averaged over the batch's
+    real tokens: the policy term ``-min(rho A, clip(rho) A)`` (:func:`clipped_surrogate`) plus ``value_weight``
+    times the value term ``(V - R)^2 / 2``; with ``value_clip`` the larger of that and the same for
+    ``V_old + clip(V - V_old, -value_clip, value_clip)`` (PPO2's clipped value loss, as in TRL's PPOTrainer).
+    ``logps`` and ``values`` carry the gradients; everything else is a constant."""
+    shapes = {tuple(t.shape) for t in (logps, old_logps, values, old_values, advantages, returns, mask)}
+    if len(shapes) != 1 or logps.dim() != 2:
+        raise ValueError(f"logps, old_logps, values, old_values, advantages, returns, mask: expected one shape [n, T], got {shapes}")
+    if not 0 < clip < 1 or (value_clip is not None and not value_clip > 0) or value_weight < 0:
+        raise ValueError(f"clip={clip!r}, value_clip={value_clip!r}, value_weight={value_weight!r}: expected 0 < clip < 1, "
+                         "value_clip > 0 or None, value_weight >= 0")
+    mask = mask.float()
+    surrogate, clipped = clipped_surrogate(logps, old_logps, advantages, clip)
+    policy_loss = -_masked_mean(surrogate, mask)
+    value_error = (values - returns.detach()) ** 2
+    if value_clip is None:
+        value_losses, value_clipped = value_error, torch.zeros_like(value_error)
+    else:
+        bounded = old_values.detach() + (values - old_values.detach()).clamp(-value_clip, value_clip)
+        bounded_error = (bounded - returns.detach()) ** 2
+        value_losses, value_clipped = torch.maximum(value_error, bounded_error), (bounded_error > value_error).float()
+    value_loss = 0.5 * _masked_mean(value_losses, mask)
+    return PPOLoss(policy_loss + value_weight * value_loss, policy_loss.detach(), value_loss.detach(),
+                   _masked_mean(clipped, mask).detach(), _masked_mean(value_clipped, mask).detach())
+
+
+def ppo_step(policy: nn.Module, value_model: ValueModel, ref: nn.Module, prompts: torch.Tensor, reward_fn: Callable,
+             samples_per_prompt: int = 1, beta: float = 0.05, clip: float = 0.2, *, optimizer: torch.optim.Optimizer,
+             task: ArithmeticTask, updates: int = 1, gamma: float = 1.0, lam: float = 0.95, value_clip: float | None = 0.2,
+             value_weight: float = 0.1, whiten: bool = True, temperature: float = 1.0,
+             generator: torch.Generator | None = None, grad_clip: float = 1.0) -> dict:
+    """One iteration of RLHF's PPO (InstructGPT): sample ``samples_per_prompt`` responses per prompt from
+    ``policy``, score them with ``reward_fn``, build the per-token rewards (:func:`ppo_token_rewards`: the KL to
+    ``ref`` at every token, the score at the last), the value model's estimates and GAE advantages
+    (:func:`gae_advantages`, whitened over the batch with ``whiten``), then take ``updates`` optimizer steps on
+    :func:`ppo_loss` (``optimizer`` holds the policy's and the value model's parameters; their gradients are
+    clipped to ``grad_clip`` separately). Returns the mean score, the losses, the KL per token (k1), the clip
+    fractions and the value model's error before the updates."""
+    _check_ids("prompts", prompts)
+    if not isinstance(samples_per_prompt, int) or samples_per_prompt < 1:
+        raise ValueError(f"samples_per_prompt={samples_per_prompt!r}: expected a positive integer")
+    prompt_ids = prompts.repeat_interleave(samples_per_prompt, dim=0)
+    response_ids, mask = sample_responses(policy, prompt_ids, task, temperature, generator)
+    scores = reward_fn(prompt_ids, response_ids, mask).float()
+    with torch.no_grad():
+        old_logps = token_logprobs(policy, prompt_ids, response_ids, mask)
+        ref_logps = token_logprobs(ref, prompt_ids, response_ids, mask)
+        old_values = value_model(prompt_ids, response_ids, mask)
+    rewards = ppo_token_rewards(old_logps, ref_logps, mask, scores, beta)
+    advantages, returns = gae_advantages(rewards, old_values, mask, gamma, lam)
+    if whiten:
+        advantages = _whiten(advantages, mask)
+    policy_params, value_params = _trainable(policy), _trainable(value_model)
+    policy.train()
+    value_model.train()
+    for _ in range(updates):
+        out = ppo_loss(token_logprobs(policy, prompt_ids, response_ids, mask), old_logps, value_model(prompt_ids, response_ids, mask),
+                       old_values, advantages, returns, mask, clip, value_clip, value_weight)
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        clip_grad_norm(policy_params, grad_clip)
+        clip_grad_norm(value_params, grad_clip)
+        optimizer.step()
+    policy.eval()
+    value_model.eval()
+    fmask = mask.float()
+    return {"reward": scores.mean().item(), "loss": out.loss.item(), "policy_loss": out.policy_loss.item(),
+            "value_loss": out.value_loss.item(), "kl": _masked_mean(old_logps - ref_logps, fmask).item(),
+            "clip_fraction": out.clip_fraction.item(), "value_clip_fraction": out.value_clip_fraction.item(),
+            "value_error": _masked_mean((old_values - returns) ** 2, fmask).sqrt().item()}
+
+
+class PassCounter:
+    """Counts, per named model, the forward calls that build no autograd graph (sampling, scoring under
+    ``torch.no_grad``), those that do, and the backward passes through the latter, with hooks on the models'
+    top modules. A context manager: the hooks are removed on exit; ``counts[name]`` holds the three numbers.
+    (A decoding step with a KV cache is one forward call, so sampling a response of ``k`` tokens is ``k`` calls.)"""
+
+    def __init__(self, models: dict[str, nn.Module]):
+        if not isinstance(models, dict) or not all(isinstance(m, nn.Module) for m in models.values()):
+            raise TypeError("models: expected a dict of name -> torch.nn.Module")
+        self.models = models
+        self.counts = {name: {"forward, no graph": 0, "forward, graph": 0, "backward": 0} for name in models}
+        self._handles: list = []
+
+    def _hook(self, name: str):
+        count = self.counts[name]
+
+        def on_backward(grad):
+            count["backward"] += 1
+
+        def on_forward(module, args, output):
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                count["forward, graph"] += 1
+                output.register_hook(on_backward)
+            else:
+                count["forward, no graph"] += 1
+
+        return on_forward
+
+    def __enter__(self) -> "PassCounter":
+        self._handles = [model.register_forward_hook(self._hook(name)) for name, model in self.models.items()]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def rl_state_bytes(models: dict[str, nn.Module], optimizer: torch.optim.Optimizer | None) -> dict[str, dict[str, int]]:
+    """Bytes each named model holds while it trains, counted on the real tensors (shared storages once):
+    its parameters, the gradients that exist now, and ``optimizer``'s state for its parameters (AdamW: two
+    moments, created at its first step). A frozen model (a reference) has parameters only."""
+    from labkit.memory import tensor_bytes
+
+    state = optimizer.state if optimizer is not None else {}
+    out = {}
+    for name, model in models.items():
+        params = list({id(p): p for p in model.parameters()}.values())
+        moments = [v for p in params for v in state.get(p, {}).values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        out[name] = {"parameters": tensor_bytes(params), "gradients": tensor_bytes(p.grad for p in params if p.grad is not None),
+                     "optimizer state": tensor_bytes(moments)}
+    return out
 
 
 def _multisets(size: int, kinds: int):
@@ -755,33 +982,71 @@ def train_grpo(policy: nn.Module, ref: nn.Module, task: ArithmeticTask, reward_f
     constant learning rate (``loss_type``, ``scale_rewards``: see :func:`grpo_step`). Logs per step the mean
     sampled reward, loss, KL per token, clip fraction and informative-group fraction; ``evaluate(step)`` every
     ``eval_every`` steps (and at 0 and the end)."""
+    optimizer = AdamW(_trainable(policy), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    ref.eval()
+
+    def step(prompts, generator):
+        return grpo_step(policy, ref, prompts, reward_fn, group_size, beta, clip, optimizer=optimizer, task=task,
+                         updates=updates, generator=generator, loss_type=loss_type, scale_rewards=scale_rewards)
+
+    return _rl_loop([policy], task, steps, prompts_per_step, step, f"GRPO beta={beta:g}", evaluate, eval_every, seed, progress)
+
+
+def train_ppo(policy: nn.Module, value_model: ValueModel, ref: nn.Module, task: ArithmeticTask, reward_fn: Callable,
+              steps: int = 50, prompts_per_step: int = 16, samples_per_prompt: int = 8, lr: float = 1e-4,
+              value_lr: float = 1e-3, beta: float = 0.05, clip: float = 0.2, *, updates: int = 1, gamma: float = 1.0,
+              lam: float = 0.95, value_clip: float | None = 0.2, value_weight: float = 0.1,
+              evaluate: Callable[[int], dict] | None = None, eval_every: int = 10, seed: int = 0,
+              progress: bool = True) -> dict:
+    """RLHF's PPO: ``steps`` calls of :func:`ppo_step` on prompts drawn from ``task``'s training split exactly as
+    :func:`train_grpo` draws them (same seed, same prompts, same number of samples per step when
+    ``samples_per_prompt`` equals GRPO's ``group_size``), one AdamW over the policy (``lr``) and the value model
+    (``value_lr``), constant learning rates. Logs per step what :func:`ppo_step` returns; ``evaluate(step)``
+    every ``eval_every`` steps (and at 0 and the end)."""
+    if not isinstance(value_model, ValueModel):
+        raise TypeError(f"value_model: expected a labkit.preference.ValueModel, got {type(value_model).__name__}")
+    optimizer = AdamW([{"params": _trainable(policy), "lr": lr}, {"params": _trainable(value_model), "lr": value_lr}],
+                      lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    ref.eval()
+
+    def step(prompts, generator):
+        return ppo_step(policy, value_model, ref, prompts, reward_fn, samples_per_prompt, beta, clip, optimizer=optimizer,
+                        task=task, updates=updates, gamma=gamma, lam=lam, value_clip=value_clip,
+                        value_weight=value_weight, generator=generator)
+
+    return _rl_loop([policy, value_model], task, steps, prompts_per_step, step, f"PPO beta={beta:g}", evaluate,
+                    eval_every, seed, progress)
+
+
+def _rl_loop(models: list, task: ArithmeticTask, steps: int, prompts_per_step: int, step: Callable, desc: str,
+             evaluate: Callable[[int], dict] | None, eval_every: int, seed: int, progress: bool) -> dict:
+    """The loop GRPO and PPO share: each step draws ``prompts_per_step`` prompts from the training split (seeded
+    with ``seed``; the sampling generator with ``seed + 1``) and calls ``step(prompts, generator)``, logging the
+    dict it returns; ``evaluate(step)`` every ``eval_every`` steps, at 0 and at the end."""
     if not isinstance(steps, int) or steps <= 0:
         raise ValueError(f"steps={steps!r}: expected a positive integer")
-    device = next(policy.parameters()).device
+    device = next(models[0].parameters()).device
     operands = task.pairs("train")
     draw = _batches(len(operands), prompts_per_step, seed)
     generator = torch.Generator().manual_seed(run_seed(seed + 1))
-    optimizer = AdamW(_trainable(policy), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     log: dict = {"step": [], "eval_step": []}
 
-    def run_eval(step):
+    def run_eval(at):
         if evaluate is not None:
-            log["eval_step"].append(step)
-            for k, v in evaluate(step).items():
+            log["eval_step"].append(at)
+            for k, v in evaluate(at).items():
                 log.setdefault("eval_" + k, []).append(v)
 
-    ref.eval()
-    policy.eval()
+    for model in models:
+        model.eval()
     run_eval(0)
-    for step in tqdm(range(steps), desc=f"GRPO beta={beta:g}", disable=not progress):
-        prompts = encode_prompts(task, operands[draw().numpy()], device)
-        stats = grpo_step(policy, ref, prompts, reward_fn, group_size, beta, clip, optimizer=optimizer, task=task,
-                          updates=updates, generator=generator, loss_type=loss_type, scale_rewards=scale_rewards)
-        log["step"].append(step + 1)
+    for i in tqdm(range(steps), desc=desc, disable=not progress):
+        stats = step(encode_prompts(task, operands[draw().numpy()], device), generator)
+        log["step"].append(i + 1)
         for k, v in stats.items():
             log.setdefault(k, []).append(v)
-        if (step + 1) % eval_every == 0 or step + 1 == steps:
-            run_eval(step + 1)
+        if (i + 1) % eval_every == 0 or i + 1 == steps:
+            run_eval(i + 1)
     return log
 
 
