@@ -339,14 +339,16 @@ def fsdp(rank: int, world_size: int, steps: int = 3, global_batch: int = 8, seq_
 
 
 def fsdp_inside(rank: int, world_size: int, global_batch: int = 8, seq_len: int = 16, seed: int = 0) -> dict:
-    """One FSDP2 training step (plain SGD) with ``reshard_after_forward=True`` (ZeRO-3: each block's full
-    parameters are freed after its forward and gathered again for its backward) and ``False`` (ZeRO-2-like:
-    gathered once, kept until backward is done), taken apart per unit (every block, then the root with the
+    """One FSDP2 training step (plain SGD) with ``reshard_after_forward=True`` (``"zero3"``: each block's full
+    parameters are freed after its forward and gathered again for its backward), ``False`` (``"zero2"``,
+    ZeRO-2-like: gathered once, kept until backward is done), and ZeRO-3 with ``MixedPrecisionPolicy(param_dtype=
+    torch.bfloat16, reduce_dtype=torch.float32)`` (``"zero3 bf16"``: fp32 shards, bf16 all-gathers and compute,
+    fp32 reduce-scatters), taken apart per unit (every block, then the root with the
     embedding, the final norm and the output layer, at FSDP2's default for the root). Returns per setting: the bytes of this rank's shards
     (``shard``, per unit), what it holds between forward and backward (its shards plus the full parameters of
-    every unit still unsharded then, read from whether the unit's parameters are DTensors), the bytes of its
+    every unit still unsharded then, in the policy's dtype, read from whether the unit's parameters are DTensors), the bytes of its
     gradients after backward, and ``CommMeter``'s calls and bytes sent in forward and in backward."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
     from labkit.train import cross_entropy
@@ -355,11 +357,14 @@ def fsdp_inside(rank: int, world_size: int, global_batch: int = 8, seq_len: int 
     local = _local_slice(rank, world_size, global_batch)
     nbytes = lambda t: t.numel() * t.element_size()
     out = {}
-    for reshard in (True, False):
+    settings = {"zero3": dict(reshard_after_forward=True), "zero2": dict(reshard_after_forward=False),
+                "zero3 bf16": dict(reshard_after_forward=True,
+                                   mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))}
+    for setting, options in settings.items():
         model = copy.deepcopy(base)
         for layer in model.layers:
-            fully_shard(layer, reshard_after_forward=reshard)
-        fully_shard(model)  # the root keeps FSDP2's default: gathered in forward, kept for backward, which needs it first
+            fully_shard(layer, **options)
+        fully_shard(model, mp_policy=options.get("mp_policy", MixedPrecisionPolicy()))  # the root keeps FSDP2's default resharding: gathered in forward, kept for backward, which needs it first
         unit = lambda name: ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
         full, shard = {}, {}
         for name, p in model.named_parameters():  # DTensors report their full size, to_local() this rank's shard
@@ -368,15 +373,16 @@ def fsdp_inside(rank: int, world_size: int, global_batch: int = 8, seq_len: int 
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         with CommMeter() as forward:
             loss = cross_entropy(model(x[local]), y[local])
-        # an unsharded unit's module holds plain tensors in place of its DTensor shards
+        # an unsharded unit's module holds plain tensors (in the policy's param_dtype) in place of its DTensor shards
         unsharded = sorted({unit(name) for name, p in model.named_parameters() if not isinstance(p, DTensor)})
+        unsharded_bytes = sum(nbytes(p) for p in model.parameters() if not isinstance(p, DTensor))
         with CommMeter() as backward:
             loss.backward()
         grads = sum(nbytes(p.grad.to_local()) for p in model.parameters())
         optimizer.step()
-        out["zero3" if reshard else "zero2"] = {
+        out[setting] = {
             "full": full, "shard": shard, "unsharded_after_forward": unsharded,
-            "held_after_forward": sum(shard.values()) + sum(full[name] for name in unsharded), "grad_bytes": grads,
+            "held_after_forward": sum(shard.values()) + unsharded_bytes, "grad_bytes": grads,
             "forward": {op: {"calls": forward.calls[op], "sent": forward.sent[op]} for op in forward.calls},
             "backward": {op: {"calls": backward.calls[op], "sent": backward.sent[op]} for op in backward.calls},
         }

@@ -82,3 +82,9 @@ def test_zero2_and_zero3_hold_and_send_what_the_shapes_say(demos):
         assert z3["unsharded_after_forward"] == ["root"] and z2["unsharded_after_forward"] == sorted(full)
         assert z3["held_after_forward"] == sum(local[rank].values()) + full["root"]
         assert z2["held_after_forward"] == sum(local[rank].values()) + sum(full.values())
+        bf16 = demos[rank]["fsdp_inside"]["zero3 bf16"]  # MixedPrecisionPolicy: bf16 all-gathers, fp32 reduce-scatters
+        assert bf16["shard"] == local[rank] and bf16["grad_bytes"] == sum(local[rank].values())  # fp32 shards and gradients
+        assert bf16["forward"] == {"all_gather": {"calls": len(full), "sent": (n - 1) * S // 2}}
+        assert bf16["backward"]["all_gather"] == {"calls": len(full) - 1, "sent": (n - 1) * blocks // 2}
+        assert bf16["backward"]["reduce_scatter"] == {"calls": len(full), "sent": pytest.approx((n - 1) * S)}
+        assert bf16["held_after_forward"] == sum(local[rank].values()) + full["root"] // 2  # the gathered root in bf16
