@@ -676,7 +676,8 @@ def bandwidth_sweep(sizes: Iterable[int], mode: str = "read", traffic_bytes: int
     (``ATEN_CPU_CAPABILITY=default``) make ``sum``'s adds the bottleneck; dispatch caps its small sizes.
     The sizes are sampled in rounds (one sample of each per round), so that a burst of load from
     another program hits all of them alike. One thread by default (one core's view of its caches).
-    Rows: ``size_bytes``, ``gb_per_s`` (median), ``iqr_gb_per_s``, ``seconds``, ``device``."""
+    Rows: ``size_bytes``, ``gb_per_s`` (median), ``iqr_gb_per_s``, ``best_gb_per_s`` (the fastest sample),
+    ``seconds``, ``device``."""
     sizes = _sizes(sizes)
     device = torch.device(device)
     if mode not in ("read", "copy", "dot"):
@@ -709,7 +710,7 @@ def bandwidth_sweep(sizes: Iterable[int], mode: str = "read", traffic_bytes: int
     for (size, _, moved), times in zip(runs, samples):
         seconds = statistics.median(times)
         rows.append(dict(size_bytes=size, gb_per_s=moved / seconds / 1e9, iqr_gb_per_s=_iqr([moved / t / 1e9 for t in times]),
-                         seconds=seconds, device=str(device)))
+                         best_gb_per_s=moved / min(times) / 1e9, seconds=seconds, device=str(device)))
     return rows
 
 
@@ -765,7 +766,8 @@ def latency_sweep(sizes: Iterable[int], steps: int = 100_000, repeats: int = 7, 
     whose loop costs tens of nanoseconds per step on its own, more than an L1 or L2 hit: the
     smallest size's time is that overhead plus an L1 hit, and ``extra_ns`` = time - the smallest
     size's time is the latency the larger working sets add. Rows: ``size_bytes``, ``ns_per_step``
-    (median), ``iqr_ns``, ``extra_ns``."""
+    (median), ``iqr_ns``, ``best_ns`` (the fastest sample: other programs only ever slow a sample down),
+    ``extra_ns``."""
     sizes = _sizes(sizes)
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps={steps!r}: expected a positive int")
@@ -784,7 +786,8 @@ def latency_sweep(sizes: Iterable[int], steps: int = 100_000, repeats: int = 7, 
     for _ in range(repeats):  # one sample of every size per round: all sizes see the same load from other programs
         for run, out in zip(runs, samples):
             out.append(run(1) / steps * 1e9)
-    rows = [dict(size_bytes=size, ns_per_step=statistics.median(out), iqr_ns=_iqr(out)) for size, out in zip(sizes, samples)]
+    rows = [dict(size_bytes=size, ns_per_step=statistics.median(out), iqr_ns=_iqr(out), best_ns=min(out))
+            for size, out in zip(sizes, samples)]
     for row in rows:
         row["extra_ns"] = row["ns_per_step"] - rows[0]["ns_per_step"]
     return rows
@@ -823,7 +826,8 @@ def stride_sweep(strides: Iterable[int], span_bytes: int = 64 * MiB, repeats: in
 def matmul_flops(sizes: Iterable[int], dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  repeats: int = 5, threads: int | None = None) -> list[dict]:
     """GFLOP/s of an ``n x n @ n x n`` matmul for each ``n`` in ``sizes`` (2 n^3 FLOPs per call), at
-    torch's current thread count unless ``threads`` is given. Rows: ``n``, ``seconds`` (median), ``gflop_per_s``, ``device``."""
+    torch's current thread count unless ``threads`` is given. Rows: ``n``, ``seconds`` (median), ``gflop_per_s``,
+    ``best_gflop_per_s`` (the fastest sample), ``device``."""
     sizes = _sizes(sizes)
     device = torch.device(device)
     gen = torch.Generator().manual_seed(0)
@@ -833,7 +837,8 @@ def matmul_flops(sizes: Iterable[int], dtype: torch.dtype = torch.float32, devic
             a = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
             b = torch.randn(n, n, generator=gen).to(device=device, dtype=dtype)
             timing = timeit(torch.matmul, a, b, repeats=repeats)
-            rows.append(dict(n=n, seconds=timing.median, gflop_per_s=2 * n**3 / timing.median / 1e9, device=str(device)))
+            rows.append(dict(n=n, seconds=timing.median, gflop_per_s=2 * n**3 / timing.median / 1e9,
+                             best_gflop_per_s=2 * n**3 / timing.min / 1e9, device=str(device)))
     return rows
 
 
@@ -987,8 +992,10 @@ class Roofline:
     @classmethod
     def measured(cls, name: str, flop_rows: list[dict], bandwidth_rows: list[dict]) -> "Roofline":
         """From :func:`matmul_flops` and :func:`bandwidth_sweep` rows: the best matmul rate and the
-        bandwidth of the largest working set (memory, not a cache). Both must come from one device (their
-        ``device`` key): a GPU's compute over its host's memory bandwidth is no machine's roofline."""
+        bandwidth of the largest working set (memory, not a cache), each from its fastest sample where the rows
+        have one (``best_*``; else the median): a ceiling is what the machine can do, and other programs only
+        ever slow a sample down. Both must come from one device (their ``device`` key): a GPU's compute over
+        its host's memory bandwidth is no machine's roofline."""
         if not flop_rows or not bandwidth_rows:
             raise ValueError("flop_rows, bandwidth_rows: expected the rows of matmul_flops and bandwidth_sweep")
         devices = {"flop_rows": {r.get("device") for r in flop_rows}, "bandwidth_rows": {r.get("device") for r in bandwidth_rows}}
@@ -996,8 +1003,8 @@ class Roofline:
             raise ValueError(f"flop_rows measured on {sorted(map(str, devices['flop_rows']))}, bandwidth_rows on "
                              f"{sorted(map(str, devices['bandwidth_rows']))}: expected both ceilings measured on one device "
                              f"(pass the same device to matmul_flops and bandwidth_sweep)")
-        peak = max(r["gflop_per_s"] for r in flop_rows) * 1e9
-        bandwidth = bandwidth_rows[-1]["gb_per_s"] * 1e9
+        peak = max(r.get("best_gflop_per_s", r["gflop_per_s"]) for r in flop_rows) * 1e9
+        bandwidth = bandwidth_rows[-1].get("best_gb_per_s", bandwidth_rows[-1]["gb_per_s"]) * 1e9
         where = f" on {flop_rows[0]['device']}" if flop_rows[0].get("device") else ""
         return cls(name, peak, bandwidth, f"measured{where}: best of matmul_flops, bandwidth_sweep at "
                                           f"{format_bytes(bandwidth_rows[-1]['size_bytes'])}")
