@@ -15,7 +15,11 @@ and is re-exported here, so the chapter imports one module. This module adds:
   :func:`expert_parallel_demo` launches.
 * **Experiments** on small models and the arithmetic task (a few seconds each on a CPU):
   :func:`dense_vs_moe`, :func:`balancing_experiment`, :func:`specialisation_experiment`,
-  :func:`capacity_experiment`; and :func:`routing_explorer`, the widget's callback.
+  :func:`capacity_experiment`, :func:`capacity_training_experiment` (dropping during training) and the
+  fine-grained and shared-expert layouts of :func:`granularity_configs`, trained side by side by
+  :func:`train_variants`; and :func:`routing_explorer`, the widget's callback.
+* **The grouped GEMM's work**: :func:`grouped_gemm_plan` counts its programs, tiles and padding
+  against a padded batched matmul and a loop over the experts.
 """
 from __future__ import annotations
 
@@ -622,6 +626,95 @@ def capacity_experiment(capacity_factors=(0.25, 0.5, 0.75, 1.0, 1.25, 2.0, None)
     return rows
 
 
+def _train_variant_rank(rank: int, world_size: int, configs: dict, steps: int | None, seed: int) -> dict:
+    """Rank ``rank`` of :func:`train_variants`: trains the ``rank``-th of ``configs`` (a plain
+    function of the module, so that :func:`labkit.dist.launch` can run it in a forked process)."""
+    return _train_variant(*list(configs.items())[rank], steps=steps, seed=seed)
+
+
+def _train_variant(name: str, config: ModelConfig, steps: int | None, seed: int) -> dict:
+    task = experiment_task()
+    data = task.tokens("train")
+    dropped, holder = [], {}
+
+    def record(step, loss):
+        layers = moe_layers(holder["model"])
+        dropped.append(float(np.mean([m.stats.dropped_fraction for m in layers])) if layers else 0.0)
+
+    torch.manual_seed(run_seed(seed))
+    holder["model"] = model = TransformerLM(config)
+    history = train(model, data, data, _train_config(steps), device="cpu", callback=record, progress=False)
+    layers = moe_layers(model)
+    saved = [m.capacity_factor for m in layers]
+    final_loss = fixed_batch_loss(model, data)
+    for m in layers:
+        m.capacity_factor = None
+    dropless_loss = fixed_batch_loss(model, data)
+    for m, cf in zip(layers, saved):
+        m.capacity_factor = cf
+    return dict(name=name, params=model.num_params(), active_params=active_parameter_count(model),
+                train_loss=history.train_loss, train_dropped=dropped, final_loss=final_loss,
+                final_loss_dropless=dropless_loss)
+
+
+def train_variants(configs: dict, steps: int | None = None, seed: int = 0, parallel: bool = True) -> dict:
+    """Train the chapter's small LM once per ``{name: ModelConfig}`` of ``configs`` (same seed, so
+    the same batches, and the same initial weights wherever the shapes agree), one variant per CPU
+    core: with ``parallel`` each runs in its own process (:func:`labkit.dist.launch`, one rank per
+    variant), else one after the other here. The results are the same either way.
+
+    Returns ``{name: {...}}`` with ``params``, ``active_params``, ``train_loss`` (per step),
+    ``train_dropped`` (per step: the share of the step's assignments its capacity dropped, mean
+    over the MoE layers; 0 for a dense or dropless model), ``final_loss`` (on the fixed batches,
+    with the capacity it trained with) and ``final_loss_dropless`` (the same model evaluated
+    without a capacity).
+    """
+    if not isinstance(configs, dict) or not configs or not all(isinstance(c, ModelConfig) for c in configs.values()):
+        raise TypeError(f"configs: expected a non-empty dict of name -> ModelConfig, got {configs!r}")
+    if parallel and len(configs) > 1:
+        results = launch(_train_variant_rank, world_size=len(configs), backend="gloo", quiet=True, configs=configs,
+                         steps=steps, seed=seed)
+        runs = [results[rank] for rank in range(len(configs))]
+    else:
+        runs = [_train_variant(name, config, steps, seed) for name, config in configs.items()]
+    return {run.pop("name"): run for run in runs}
+
+
+def capacity_training_experiment(capacity_factors=(0.5, 1.0), priority: str = "gate", num_experts: int = 8,
+                                 top_k: int = 1, steps: int | None = None, seed: int = 0) -> dict:
+    """Dropping *during training*: section 3's aux-loss MoE LM (:data:`BALANCING` ``"aux loss"``,
+    ``num_experts`` experts, top-``top_k``, hidden size 32) trained with each capacity factor, the
+    assignments over capacity dropped (they reach the next layer through the residual only) and
+    kept by ``priority``. With the same ``seed`` and ``steps`` as :func:`balancing_experiment`, its
+    ``"aux loss"`` run is the dropless twin: same initial weights, same batches.
+
+    Returns ``{capacity_factor: run}``, runs as :func:`train_variants` gives them."""
+    if priority not in PRIORITIES:
+        raise ValueError(f"priority={priority!r}: expected one of {PRIORITIES}")
+    if not capacity_factors or any(cf is None for cf in capacity_factors):
+        raise ValueError(f"capacity_factors={capacity_factors!r}: expected capacity factors (the dropless run is balancing_experiment's)")
+    vocab = experiment_task().vocab_size
+    configs = {cf: experiment_config(vocab, 32, experiment_moe(num_experts, top_k, capacity_factor=cf, priority=priority,
+                                                                 **BALANCING["aux loss"]))
+               for cf in capacity_factors}
+    return train_variants(configs, steps, seed)
+
+
+def granularity_configs(d_ff: int = 32) -> dict:
+    """The fine-grained and shared-expert variants of :func:`dense_vs_moe`'s MoE (8 experts of
+    ``d_ff // 2``, top-2), at its total *and* active expert sizes: the same ``4 * d_ff`` hidden
+    units in all, ``d_ff`` of them per token. ``"32 x 4, top-8"``: experts a quarter as wide,
+    four times as many and as many per token (DeepSeekMoE's fine-grained segmentation);
+    ``"1 shared + 31 x 4, top-7"``: one of them always on, outside the router (its shared expert
+    isolation). Names follow ``d_ff=32``."""
+    _check_counts(d_ff=d_ff)
+    if d_ff % 8:
+        raise ValueError(f"d_ff={d_ff}: must be divisible by 8 (fine-grained experts are d_ff // 8 wide)")
+    vocab, narrow = experiment_task().vocab_size, d_ff // 8
+    return {f"32 x {narrow}, top-8": experiment_config(vocab, d_ff, experiment_moe(32, 8, d_ff=narrow)),
+            f"1 shared + 31 x {narrow}, top-7": experiment_config(vocab, d_ff, experiment_moe(31, 7, d_ff=narrow, num_shared_experts=1))}
+
+
 def seed_band(curves, window: int = 10) -> dict:
     """Per-step ``mean``, ``low`` and ``high`` over seeds of loss ``curves`` (one equal-length
     sequence per seed), each curve first smoothed by a trailing mean over ``window`` steps (fewer
@@ -683,6 +776,42 @@ def fixed_batch_routing(model: TransformerLM, seed: int = 1234) -> list[Routing]
     model(x)
     model.train(was_training)
     return [layer.last_routing for layer in layers]
+
+
+# ============================================================================ the grouped GEMM's tile map
+def grouped_gemm_plan(group_sizes, n_out: int, block_m: int, block_n: int) -> dict:
+    """The work of a grouped GEMM over experts' row segments (``group_sizes[e]`` rows for expert
+    ``e``, in expert order, ``n_out`` output columns) cut into ``block_m x block_n`` output tiles,
+    counted with a plain loop over the experts (the kernel builds the same map with a cumsum and
+    a searchsorted, :func:`labkit.kernels.grouped_matmul.tile_map`), beside the two alternatives.
+
+    Returns ``programs`` (one dict per program ``(t, j)`` of the launch grid, ``t`` the row tile,
+    ``j`` the column tile: ``expert``, ``rows`` ``(first, end)`` of the rows it computes, ``cols``
+    likewise, and ``padded_rows``, the rows of its tile past its segment's end, masked),
+    ``grid`` ``(row tiles, column tiles)``, ``rows`` (the real rows, ``sum(group_sizes)``),
+    ``tile_rows`` (row tiles x ``block_m``: what the tiles span) and ``padded_rows`` (their
+    difference: under one tile per expert that has rows); for a padded batched matmul
+    (``torch.bmm`` on ``[E, max(group_sizes), d]``), ``bmm_rows`` (``E x max``) and
+    ``bmm_padded_rows``; and ``loop_launches``, the matmuls a loop over the experts with rows
+    launches. Every count is exact."""
+    sizes = [int(s) for s in (group_sizes.tolist() if isinstance(group_sizes, torch.Tensor) else group_sizes)]
+    if not sizes or any(s < 0 for s in sizes):
+        raise ValueError(f"group_sizes={sizes!r}: expected non-negative rows per expert, at least one expert")
+    _check_counts(n_out=n_out, block_m=block_m, block_n=block_n)
+    col_tiles = -(-n_out // block_n)
+    programs, start, row_tile = [], 0, 0
+    for expert, size in enumerate(sizes):
+        for first in range(start, start + size, block_m):
+            end = min(first + block_m, start + size)
+            for j in range(col_tiles):
+                programs.append(dict(program=(row_tile, j), expert=expert, rows=(first, end),
+                                     cols=(j * block_n, min((j + 1) * block_n, n_out)), padded_rows=block_m - (end - first)))
+            row_tile += 1
+        start += size
+    rows = sum(sizes)
+    return dict(programs=programs, grid=(row_tile, col_tiles), rows=rows, tile_rows=row_tile * block_m,
+                padded_rows=row_tile * block_m - rows, bmm_rows=len(sizes) * max(sizes),
+                bmm_padded_rows=len(sizes) * max(sizes) - rows, loop_launches=sum(s > 0 for s in sizes))
 
 
 # ============================================================================ inference: decoding reads the experts

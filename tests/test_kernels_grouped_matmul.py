@@ -10,7 +10,8 @@ from labkit import kernels
 ok, why = kernels.available()
 pytestmark = pytest.mark.skipif(not ok, reason=why)
 if ok:
-    from labkit.kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference, launch_settings, tile_map
+    from labkit.kernels.grouped_matmul import (grouped_matmul, grouped_matmul_reference, launch_grid, launch_settings, tile_map,
+                                               tiles_written)
 DEVICE = labkit.device()
 # outputs are sums of K ~unit products (|y| up to ~40 for K=200): fp16 keeps 11 bits, bf16 8 (and the interpreter
 # truncates fp32 -> bf16 on store); dW sums over a segment's rows, so its absolute error grows with them
@@ -64,6 +65,23 @@ def test_tile_map_lists_every_tile_of_every_segment():
     assert list(zip(tile_expert.tolist(), tile_row.tolist())) == expected
     assert end.tolist() == torch.cumsum(sizes, 0).tolist() and (end - start).tolist() == sizes.tolist()
     assert len(tile_map(torch.zeros(3, dtype=torch.int64), 64)[0]) == 0
+
+
+def test_launch_grid_and_what_each_row_tile_writes():
+    sizes, K, N = [37, 0, 5, 64, 1, 21], 48, 40
+    x, weight, group_sizes, _ = make_inputs(sizes, K, N, torch.float32)
+    small = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4)
+    assert launch_grid(group_sizes, N, small) == (3 + 0 + 1 + 4 + 1 + 2, 2)
+    assert launch_grid(group_sizes, N) == (len(tile_map(group_sizes, launch_settings()["BLOCK_M"])[0]), -(-N // launch_settings()["BLOCK_N"]))
+    tile_expert, tile_row, _, end = tile_map(group_sizes, 16)
+    written = tiles_written(x, weight, group_sizes, small)
+    assert len(written) == len(tile_expert)
+    for w, e, first in zip(written, tile_expert.tolist(), tile_row.tolist()):
+        rows = (first, min(first + 16, int(end[e])))
+        assert w["contiguous"] and w["rows"] == rows and w["cols"] == (0, N)
+        torch.testing.assert_close(w["values"], x[rows[0]:rows[1]] @ weight[e].T, **TOL[torch.float32])
+    with pytest.raises(TypeError, match="x"):
+        tiles_written(torch.ones(3, 4, dtype=torch.int64, device=DEVICE), weight, group_sizes)
 
 
 def test_matches_torch_grouped_mm():

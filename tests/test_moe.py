@@ -693,3 +693,53 @@ def test_seed_band_by_hand():
             moe.seed_band(bad)
     with pytest.raises(ValueError, match="window"):
         moe.seed_band([[1.0]], window=0)
+
+
+def test_grouped_gemm_plan_counts_tiles_padding_and_the_alternatives():
+    plan = moe.grouped_gemm_plan(torch.tensor([37, 0, 5, 64, 1, 21]), 40, 16, 32)
+    assert plan["grid"] == (3 + 0 + 1 + 4 + 1 + 2, 2) and len(plan["programs"]) == 22
+    assert plan["rows"] == 128 and plan["tile_rows"] == 11 * 16 and plan["padded_rows"] == 48
+    assert plan["bmm_rows"] == 6 * 64 and plan["bmm_padded_rows"] == 6 * 64 - 128 and plan["loop_launches"] == 5
+    first, last = plan["programs"][0], plan["programs"][-1]
+    assert first == dict(program=(0, 0), expert=0, rows=(0, 16), cols=(0, 32), padded_rows=0)
+    assert last == dict(program=(10, 1), expert=5, rows=(123, 128), cols=(32, 40), padded_rows=11)
+    assert all(p["expert"] != 1 for p in plan["programs"])  # an expert without rows owns no tile
+    covered = sorted((r, c) for p in plan["programs"] for r in range(*p["rows"]) for c in range(*p["cols"]))
+    assert covered == [(r, c) for r in range(128) for c in range(40)]  # every output cell once
+    assert moe.grouped_gemm_plan([0, 0], 8, 4, 4)["grid"] == (0, 2)
+    with pytest.raises(ValueError, match="group_sizes"):
+        moe.grouped_gemm_plan([3, -1], 8, 4, 4)
+    with pytest.raises(ValueError, match="block_m"):
+        moe.grouped_gemm_plan([3, 1], 8, 0, 4)
+
+
+def test_granularity_configs_recut_the_same_expert_units():
+    for config in moe.granularity_configs().values():
+        m = config.moe
+        assert (m.num_experts + m.num_shared_experts) * m.d_ff == 8 * 16  # section 1.1's 8 experts of 16
+        assert (m.top_k + m.num_shared_experts) * m.d_ff == 2 * 16  # and its 2 per token
+    with pytest.raises(ValueError, match="d_ff"):
+        moe.granularity_configs(d_ff=20)
+
+
+def test_train_variants_in_processes_equal_one_after_the_other():
+    configs = moe.granularity_configs()
+    side_by_side = moe.train_variants(configs, steps=3)
+    in_turn = moe.train_variants(configs, steps=3, parallel=False)
+    assert list(side_by_side) == list(configs)
+    for name in configs:
+        assert side_by_side[name]["train_loss"] == in_turn[name]["train_loss"]
+        assert side_by_side[name]["final_loss"] == in_turn[name]["final_loss"]
+        assert side_by_side[name]["train_dropped"] == [0.0] * 3
+    with pytest.raises(TypeError, match="configs"):
+        moe.train_variants({"dense": None})
+
+
+def test_capacity_training_drops_what_the_capacity_says():
+    run = moe.capacity_training_experiment(capacity_factors=(0.5,), steps=3)[0.5]
+    assert len(run["train_dropped"]) == 3 and min(run["train_dropped"]) >= 0.5  # top-1: at most half the tokens fit
+    assert run["final_loss"] != run["final_loss_dropless"]
+    with pytest.raises(ValueError, match="capacity_factors"):
+        moe.capacity_training_experiment(capacity_factors=(None,))
+    with pytest.raises(ValueError, match="priority"):
+        moe.capacity_training_experiment(priority="random")

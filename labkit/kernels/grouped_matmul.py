@@ -139,13 +139,26 @@ def _dot_flags(dtype: torch.dtype) -> dict:
     return dict(UPCAST=upcast, INPUT_PRECISION="ieee")
 
 
+def _grid(num_row_tiles: int, C: int, settings: dict) -> tuple[int, int]:
+    return num_row_tiles, triton.cdiv(C, settings["BLOCK_N"])
+
+
+def launch_grid(group_sizes: torch.Tensor, n_out: int, settings: dict | None = None) -> tuple[int, int]:
+    """The forward launch's grid for ``group_sizes`` and ``n_out`` output columns: ``(row tiles of
+    the tile map, column tiles)``, program ``(t, j)`` computing row tile ``t``, columns
+    ``j * BLOCK_N ...``; ``settings`` as :func:`launch_settings` gives them (its default)."""
+    settings = settings or launch_settings()
+    return _grid(len(tile_map(group_sizes, settings["BLOCK_M"])[0]), n_out, settings)
+
+
 def _segment_matmul(x_rows: torch.Tensor, b: torch.Tensor, b_strides: tuple[int, int, int], R: int, C: int,
-                    tiles: tuple, settings: dict) -> torch.Tensor:
+                    tiles: tuple, settings: dict, out: torch.Tensor | None = None) -> torch.Tensor:
     """``out[rows of e] = x_rows[rows of e] @ B[e]`` (``B[e]`` an ``[R, C]`` view given by ``b_strides``)."""
     tile_expert, tile_row, _, segment_end = tiles
-    out = torch.empty((x_rows.shape[0], C), dtype=x_rows.dtype, device=x_rows.device)
+    if out is None:
+        out = torch.empty((x_rows.shape[0], C), dtype=x_rows.dtype, device=x_rows.device)
     if len(tile_expert) and C:
-        grid = (len(tile_expert), triton.cdiv(C, settings["BLOCK_N"]))
+        grid = _grid(len(tile_expert), C, settings)
         _grouped_matmul_kernel[grid](
             x_rows, b, out, tile_expert, tile_row, segment_end,
             R, C, x_rows.stride(0), *b_strides, out.stride(0),
@@ -199,6 +212,37 @@ class GroupedMatmulFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = _weight_grad(dy, x_rows, weight.shape, weight.dtype, tiles, settings)
         return dx, dw, None
+
+
+def tiles_written(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, settings: dict | None = None) -> list[dict]:
+    """What the forward kernel's programs really write, row tile by row tile: for each row tile
+    ``t`` of the tile map, the kernel is launched alone (its programs ``(t, 0), (t, 1), ...``,
+    each with its column tile) into an output filled with NaN; the rows and columns it wrote
+    are read back. Returns per tile ``tile``, ``rows`` and ``cols`` (``(first, end)`` of what
+    was written; ``None`` if nothing), ``contiguous`` (the written cells form that rectangle
+    exactly) and ``values``, the written block. For teaching and tests: one launch per tile.
+    ``settings`` as :func:`launch_settings` gives them (its default); ``x`` is floating point."""
+    if not x.is_floating_point():
+        raise TypeError(f"x: expected a floating-point tensor, got {x.dtype}")
+    settings = settings or launch_settings()
+    x_rows = as_rows(x)
+    tile_expert, tile_row, segment_start, segment_end = tile_map(group_sizes.to(x.device), settings["BLOCK_M"])
+    _, N, K = weight.shape
+    strides = (weight.stride(0), weight.stride(2), weight.stride(1))
+    written = []
+    for t in range(len(tile_expert)):
+        out = torch.full((x_rows.shape[0], N), float("nan"), dtype=x_rows.dtype, device=x_rows.device)
+        one_tile = (tile_expert[t:t + 1], tile_row[t:t + 1], segment_start, segment_end)
+        _segment_matmul(x_rows, weight, strides, K, N, one_tile, settings, out=out)
+        done = ~out.isnan()
+        rows, cols = done.any(1).nonzero().flatten(), done.any(0).nonzero().flatten()
+        if len(rows) == 0:
+            written.append(dict(tile=t, rows=None, cols=None, contiguous=True, values=out[:0, :0]))
+            continue
+        r0, r1, c0, c1 = int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
+        written.append(dict(tile=t, rows=(r0, r1), cols=(c0, c1), contiguous=int(done.sum()) == (r1 - r0) * (c1 - c0),
+                            values=out[r0:r1, c0:c1]))
+    return written
 
 
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
