@@ -632,7 +632,9 @@ class Fp8TensorScaling:
         """``(fp8_cast(x, scale), scale)`` with this step's scale. With ``record`` (training steps),
         the delayed recipe then adds ``x``'s amax to its history and the counts are updated; an
         evaluation pass casts with the same scales but leaves both alone."""
-        amax = finite_amax(x)
+        x = x.detach()
+        amax = x.abs().amax().item() if x.numel() else 0.0
+        amax = amax if math.isfinite(amax) else finite_amax(x)  # inf/NaN must not poison the scale
         if self.history is not None:
             scale = self.history.scale
             if record:
@@ -640,11 +642,10 @@ class Fp8TensorScaling:
         else:
             scale = amax / self.fmt.max * 2.0**self.recipe.margin if amax > 0 else 1.0
         values = fp8_cast(x, scale, self.fmt)
-        if not record:
-            return values, scale
-        nonzero = x.detach() != 0
-        self.counts.append((int(nonzero.sum()), int(((values == 0) & nonzero).sum()),
-                            int((x.detach().float().abs() / _fp32(scale) > self._overflow).sum())))
+        if record:
+            nonzero = x != 0
+            counts = torch.stack([nonzero.sum(), ((values == 0) & nonzero).sum(), (x.float().abs() / _fp32(scale) > self._overflow).sum()])
+            self.counts.append(tuple(counts.tolist()))
         return values, scale
 
 
