@@ -157,14 +157,22 @@ def _dump(notebook: dict) -> str:
     return nbformat.writes(nbformat.from_dict(notebook)) + "\n"
 
 
-def update_chapters(paths: list[Path], write: bool = True) -> list[Path]:
+def update_chapters(paths: list[Path], write: bool = True, only: list[Path] | None = None) -> list[Path]:
     """Insert or update the navigation cells of every chapter in ``paths`` (all chapters of a course, in
-    order); return the notebooks whose file changed (or would change, with ``write=False``)."""
+    order), or of those in ``only`` among them; return the notebooks whose file changed (or would change,
+    with ``write=False``)."""
     if not paths:
         raise ValueError("paths: expected at least one chapter notebook")
     chapters = reading_order([read_chapter(p) for p in paths])
+    if only is not None:
+        unknown = {Path(p).resolve() for p in only} - {c.path.resolve() for c in chapters}
+        if unknown:
+            raise ValueError(f"only: {sorted(map(str, unknown))} are not chapters of the course in paths")
+    wanted = None if only is None else {Path(p).resolve() for p in only}
     changed = []
     for index, chapter in enumerate(chapters):
+        if wanted is not None and chapter.path.resolve() not in wanted:
+            continue
         text = chapter.path.read_text(encoding="utf-8")
         notebook = read_notebook(text)
         if notebook.get("nbformat", 0) < 4 or (notebook["nbformat"] == 4 and notebook.get("nbformat_minor", 0) < 5):
@@ -220,17 +228,20 @@ def chapter_table(chapters: list[Chapter]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m labkit.navigation", description=__doc__.splitlines()[0])
-    parser.add_argument("notebooks", nargs="*", type=Path, help="the course's chapters (default: notebooks/NN_*.ipynb)")
+    parser.add_argument("notebooks", nargs="*", type=Path,
+                        help="the chapters to update or check (default: notebooks/NN_*.ipynb); the course they belong to is "
+                             "every NN_*.ipynb in their folders, so one chapter given alone keeps its place in it")
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a notebook is out of date")
     parser.add_argument("--table", action="store_true", help="print the README chapter table and change nothing")
     args = parser.parse_args(argv)
-    paths = args.notebooks or chapter_paths(Path("notebooks"))
-    if not paths:
+    folders = sorted({p.parent for p in args.notebooks}) or [Path("notebooks")]
+    course = sorted({p.resolve() for folder in folders for p in chapter_paths(folder)} | {p.resolve() for p in args.notebooks})
+    if not course:
         parser.error("no notebooks given and none found in notebooks/")
     if args.table:
-        print(chapter_table(reading_order([read_chapter(p) for p in paths])))
+        print(chapter_table(reading_order([read_chapter(p) for p in course])))
         return 0
-    changed = update_chapters(paths, write=not args.check)
+    changed = update_chapters(course, write=not args.check, only=args.notebooks or None)
     for path in changed:
         print(f"{path}: {'out of date' if args.check else 'updated'}")
     return 1 if args.check and changed else 0

@@ -127,3 +127,20 @@ def test_a_chapter_marked_after_another_is_read_right_after_it(course):
     assert [c.number for c in moved[2:]] == [c.number for c in chapters[1:-1]]
     with pytest.raises(ValueError, match="after"):
         navigation.reading_order([*chapters[:-1], navigation.Chapter(**{**last.__dict__, "after": "99"})])
+
+
+def test_one_chapter_given_alone_keeps_its_place_in_the_course(course):
+    """``python -m labkit.navigation notebooks/01_precision.ipynb`` updates that chapter as one of the whole course
+    in its folder (not as "chapter 1 of 1"), and leaves the other chapters untouched."""
+    assert navigation.main([str(p) for p in course]) == 0
+    whole = {p: p.read_text() for p in course}
+    target = course[2]
+    notebook = json.loads(target.read_text())
+    notebook["cells"] = [c for c in notebook["cells"] if c.get("id") not in (TOP_ID, BOTTOM_ID)]
+    target.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")
+    others = {p: p.stat().st_mtime_ns for p in course if p != target}
+    assert navigation.main([str(target)]) == 0
+    assert target.read_text() == whole[target]
+    assert {p: p.stat().st_mtime_ns for p in course if p != target} == others
+    with pytest.raises(ValueError, match="only"):
+        update_chapters(course[:3], only=[course[5]])
