@@ -6,7 +6,8 @@ vanishing/exploding signals in a deep stack and how a norm fixes them (``deep_st
 Pre-LN vs Post-LN gradients at initialization (``block_gradient_norms`` in labkit's LM,
 ``ffn_gradient_profile`` in Xiong et al.'s encoder stack), the activation
 functions and their derivatives (``activation_curves``), SwiGLU's ``d_ff`` (``swiglu_d_ff``,
-``ffn_param_counts``), where the norm sits in training, with and without warmup (``train_placements``), what
+``ffn_param_counts``), a GELU MLP against SwiGLU at equal parameters over seeds (``train_ffn_variants``), where
+the norm sits in training, with and without warmup (``train_placements``), what
 QK-norm does to attention (``attention_entropy_under_scaling``), the Triton path
 (``use_triton_kernels``) and the bytes an RMSNorm moves (``rmsnorm_bytes``, ``count_op_bytes``).
 """
@@ -23,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from labkit.model import TransformerBlock, TransformerLM, tiny_config
 from labkit.model import make_norm as config_norm
 from labkit.nn import ACTIVATIONS, GLU, NORMS, LayerNorm, Linear, RMSNorm, gelu, make_norm  # noqa: F401 (NORMS: the chapter lists norms.NORMS)
+from labkit.runtime import run_seed
 from labkit.train import TrainConfig, cross_entropy, train
 
 DISTRIBUTIONS = ("gaussian", "outlier features", "token scales", "feature offsets")
@@ -400,6 +402,75 @@ def ffn_param_counts(d_model: int, mlp_ratio: float = 4.0, multiple_of: int = 1)
     glu = GLU(d_model, d_glu, device="meta")
     return {"mlp d_ff": d_mlp, "mlp params": sum(p.numel() for p in mlp.parameters()),
             "swiglu d_ff": d_glu, "swiglu params": sum(p.numel() for p in glu.parameters())}
+
+
+class MLP(nn.Module):
+    """The classic feed-forward of GPT-2 and BERT, ``w2(act(w1 x))`` without biases: two matrices ``d_model x d_ff``
+    where a GLU (:class:`labkit.nn.GLU`) has three, so at equal parameters its ``d_ff`` is 3/2 of the GLU's."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str = "gelu", device=None, dtype=None):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r}: expected one of {sorted(ACTIVATIONS)}")
+        self.activation = activation
+        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(ACTIVATIONS[self.activation](self.w1(x)))
+
+
+FFN_VARIANTS = ("gelu", "swiglu")
+
+
+def ffn_variant_lm(vocab_size: int, ffn: str, mlp_ratio: float = 4.0, **overrides) -> TransformerLM:
+    """labkit's LM (``tiny_config(vocab_size, **overrides)``) whose every feed-forward is ``ffn``: ``"swiglu"``, its
+    own SiLU-gated GLU with ``d_ff = swiglu_d_ff(d_model, mlp_ratio)``, or ``"gelu"``, GPT-2's :class:`MLP` with GELU
+    and ``d_ff = mlp_ratio * d_model``: the same parameter count when ``2 * mlp_ratio * d_model / 3`` is a whole
+    number (``d_model`` a multiple of 3 for the usual 4x). Everything but the feed-forwards is built first, from the
+    same random draws for both, so that one seed gives both variants the same attention and embedding weights."""
+    if ffn not in FFN_VARIANTS:
+        raise ValueError(f"ffn={ffn!r}: expected one of {FFN_VARIANTS}")
+    if "d_ff" in overrides:
+        raise ValueError("d_ff: set by ffn and mlp_ratio (equal parameters), not given")
+    d_model = overrides.get("d_model", tiny_config(vocab_size).d_model)
+    model = TransformerLM(tiny_config(vocab_size, d_ff=swiglu_d_ff(d_model, mlp_ratio), **overrides))
+    if ffn == "gelu":
+        for block in model.layers:
+            block.ffn = MLP(d_model, int(mlp_ratio * d_model), "gelu")
+    return model
+
+
+@dataclass
+class FFNRun:
+    """One training run of :func:`train_ffn_variants`."""
+
+    ffn: str
+    seed: int
+    num_params: int
+    val_loss: float
+
+
+def train_ffn_variants(task, ffns, seeds, train_config: TrainConfig, device=None, **model_overrides) -> list[FFNRun]:
+    """Train :func:`ffn_variant_lm` once per ``ffn`` of ``ffns`` and seed of ``seeds`` on ``task``'s training tokens,
+    with ``train_config`` (the same steps, learning rates and batch size for all), and return each run's parameter
+    count and final validation loss (over ``train_config.eval_batches`` batches of the validation split).
+
+    Each seed (shifted by ``LABKIT_SEED``, :func:`labkit.runtime.run_seed`) sets the initial weights and, drawn again
+    before training, the batches: the variants of one seed share their attention and embedding weights and see the
+    same batches, so their difference is the feed-forward's alone."""
+    from dataclasses import replace
+
+    config = replace(train_config, eval_every=train_config.steps)  # one validation loss, after the last step
+    train_data, val_data, runs = task.tokens("train"), task.tokens("val"), []
+    for seed in seeds:
+        for ffn in ffns:
+            torch.manual_seed(run_seed(seed))
+            model = ffn_variant_lm(task.vocab_size, ffn, **model_overrides).to(device)
+            torch.manual_seed(run_seed(seed) + 1)  # the batches: the same for every variant of this seed
+            history = train(model, train_data, val_data, config, progress=False)
+            runs.append(FFNRun(ffn, seed, model.num_params(), history.val_loss[-1]))
+    return runs
 
 
 # ----------------------------------------------------------------------------- training

@@ -249,6 +249,54 @@ def test_swiglu_d_ff_equalizes_parameters():
         norms.swiglu_d_ff(0)
 
 
+
+def test_mlp_is_two_matrices_around_the_activation():
+    torch.manual_seed(0)
+    mlp = norms.MLP(6, 12, "gelu")
+    x = torch.randn(2, 3, 6)
+    expected = torch.nn.functional.gelu(x @ mlp.w1.weight.T) @ mlp.w2.weight.T
+    assert torch.allclose(mlp(x), expected, atol=1e-6)
+    assert sum(p.numel() for p in mlp.parameters()) == 2 * 6 * 12
+    with pytest.raises(ValueError, match="activation"):
+        norms.MLP(6, 12, "tanh")
+
+
+def test_ffn_variant_lm_equal_parameters_and_shared_weights():
+    models = {}
+    for ffn in norms.FFN_VARIANTS:
+        torch.manual_seed(3)
+        models[ffn] = norms.ffn_variant_lm(15, ffn, d_model=48, num_layers=2, num_heads=4)
+    gelu, swiglu = models["gelu"], models["swiglu"]
+    assert gelu.num_params() == swiglu.num_params()
+    assert all(isinstance(block.ffn, norms.MLP) and block.ffn.w1.d_out == 192 for block in gelu.layers)
+    assert all(isinstance(block.ffn, GLU) and block.ffn.w1.d_out == 128 for block in swiglu.layers)
+    # one seed: everything but the feed-forwards is the same
+    shared = {name: p for name, p in swiglu.named_parameters() if ".ffn." not in name}
+    assert shared and all(torch.equal(p, shared[name]) for name, p in gelu.named_parameters() if ".ffn." not in name)
+    with pytest.raises(ValueError, match="ffn"):
+        norms.ffn_variant_lm(15, "relu")
+    with pytest.raises(ValueError, match="d_ff"):
+        norms.ffn_variant_lm(15, "gelu", d_ff=100)
+
+
+def test_train_ffn_variants_is_the_train_loop_per_variant_and_seed(monkeypatch):
+    task = ArithmeticTask()
+    config = TrainConfig(steps=3, batch_size=4, context_length=16, eval_batches=2, warmup_iters=0)
+    model_args = dict(context_length=16, d_model=24, num_layers=1, num_heads=2)
+    runs = norms.train_ffn_variants(task, ["gelu", "swiglu"], [0, 1], config, **model_args)
+    assert [(run.ffn, run.seed) for run in runs] == [("gelu", 0), ("swiglu", 0), ("gelu", 1), ("swiglu", 1)]
+    assert len({run.num_params for run in runs}) == 1
+    # each run is labkit's train loop on the variant, from seed (weights) and seed + 1 (batches)
+    from dataclasses import replace
+    torch.manual_seed(1)
+    model = norms.ffn_variant_lm(task.vocab_size, "swiglu", **model_args)
+    torch.manual_seed(2)
+    expected = train(model, task.tokens("train"), task.tokens("val"), replace(config, eval_every=3), progress=False)
+    assert runs[3].val_loss == expected.val_loss[-1]
+    monkeypatch.setenv("LABKIT_SEED", "1")   # make spread: every seed shifted
+    shifted = norms.train_ffn_variants(task, ["swiglu"], [0], config, **model_args)
+    assert shifted[0].val_loss == runs[3].val_loss and shifted[0].seed == 0
+
 # ----------------------------------------------------------------------------- training
 def test_train_placements_is_the_train_loop_per_placement_and_warmup():
     task = ArithmeticTask()
