@@ -7,6 +7,7 @@ model's attention writes to it) and re-exported here.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -443,7 +444,13 @@ def decode_speed(model, new_token_counts, prompt_len: int = 8, batch_size: int =
     during the timed runs, per run and sequence).
 
     Without a cache step ``t`` re-runs the model on all ``prompt_len + t`` tokens, so total work
-    grows quadratically with the length; with a cache each step runs one token."""
+    grows quadratically with the length; with a cache each step runs one token.
+
+    Each length is timed as ``repeats`` pairs of runs, cached then uncached, so that a load from other programs
+    falls on both runs of a pair: ``speedups`` holds each pair's ratio, ``speedup`` their median, and the times
+    are medians over the pairs."""
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r}: expected an int >= 1 (pairs of runs per length)")
     prompt = random_prompt(model, prompt_len, batch_size)
     generate(model, prompt, 2)  # warm-up: first calls pay for allocations and lazy initialisation
     processed = [0]
@@ -455,19 +462,122 @@ def decode_speed(model, new_token_counts, prompt_len: int = 8, batch_size: int =
     handle = model.register_forward_pre_hook(count_positions)
     try:
         for count in new_token_counts:
-            row = dict(new_tokens=count)
-            for mode, use_cache in (("cached", True), ("uncached", False)):  # alternating, length by length
-                processed[0] = 0
-                row[mode] = time_generation(model, prompt, count, use_cache=use_cache, repeats=repeats)
-                row[f"{mode}_positions"] = processed[0] // repeats
+            seconds, positions = {True: [], False: []}, {}
+            for _ in range(repeats):
+                for use_cache in (True, False):  # in alternation: cached, uncached, cached, ...
+                    processed[0] = 0
+                    seconds[use_cache].append(time_generation(model, prompt, count, use_cache=use_cache, repeats=1))
+                    positions[use_cache] = processed[0]
+            speedups = [uncached / cached for cached, uncached in zip(seconds[True], seconds[False])]
+            cached, uncached = statistics.median(seconds[True]), statistics.median(seconds[False])
             tokens = count * batch_size
-            cached, uncached = row.pop("cached"), row.pop("uncached")
-            rows.append(dict(row, cached_tok_s=tokens / cached, uncached_tok_s=tokens / uncached,
+            rows.append(dict(new_tokens=count, cached_positions=positions[True], uncached_positions=positions[False],
+                             cached_tok_s=tokens / cached, uncached_tok_s=tokens / uncached,
                              cached_ms_per_token=cached / count * 1e3, uncached_ms_per_token=uncached / count * 1e3,
-                             speedup=uncached / cached))
+                             speedup=statistics.median(speedups), speedups=speedups))
     finally:
         handle.remove()
     return rows
+
+
+# The parts of a decode step, named after the labkit code that issues their ATen ops (the innermost labkit function
+# on the Python stack when an op reaches the dispatcher); ops issued anywhere else in the model (the projections'
+# reshapes into heads, the residual adds) are "reshapes, residual adds".
+DECODE_PARTS = ("matmuls (Linear)", "attention over the cache", "RoPE", "KV-cache write", "RMSNorm", "SwiGLU gate",
+                "embedding", "reshapes, residual adds")
+
+
+def _decode_part_of_code():
+    from labkit import nn as layers
+
+    parts = {
+        "matmuls (Linear)": [layers.Linear.forward],
+        "attention over the cache": [layers.MultiHeadSelfAttention._attend, layers.grouped_query_attention,
+                                     layers.scaled_dot_product_attention, layers.softmax],
+        "RoPE": [layers.RoPE.forward, layers.RoPE.rotate],
+        "KV-cache write": [layers.KVCache.update],
+        "RMSNorm": [layers.RMSNorm.forward],
+        "SwiGLU gate": [layers.GLU.forward, layers.silu],
+        "embedding": [layers.Embedding.forward],
+    }
+    return {function.__code__: part for part, functions in parts.items() for function in functions}
+
+
+@dataclass
+class DecodeStepProfile:
+    """One cached decode step of a :class:`labkit.model.TransformerLM` (one new token, ``cached`` positions already in
+    the cache), per part of the model (:data:`DECODE_PARTS`): the ATen ops it ran (``ops``), how many of them compute
+    something rather than return a view of their input (``computing_ops``) and their FLOPs (torch's ``flop_counter``
+    formulas); ``step_seconds`` is the median time of the whole step, timed without the profiler."""
+
+    cached: int
+    ops: dict[str, int]
+    computing_ops: dict[str, int]
+    flops: dict[str, int]
+    step_seconds: float
+
+
+@torch.no_grad()
+def decode_step_profile(model, cached: int, repeats: int = 9) -> DecodeStepProfile:
+    """Where one decode step of ``model`` spends its ops and FLOPs, and how long it takes: see
+    :class:`DecodeStepProfile`.
+
+    The step feeds one token after ``cached`` prefilled positions (batch 1); the profiled step and every timed one
+    start from the same cache (:meth:`KVCache.crop` back to ``cached``). A ``TorchDispatchMode`` sees each ATen op as
+    it reaches the dispatcher and attributes it to the innermost labkit function on the Python stack; the step is
+    timed (``repeats`` samples, median) without it, since the mode's own Python slows every op down."""
+    import sys
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    if not isinstance(cached, int) or isinstance(cached, bool) or not 1 <= cached < model.config.context_length:
+        raise ValueError(f"cached={cached!r}: expected an int in [1, context_length={model.config.context_length})")
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r}: expected an int >= 1")
+    part_of_code = _decode_part_of_code()
+    ops = dict.fromkeys(DECODE_PARTS, 0)
+    computing, flops = dict(ops), dict(ops)
+
+    def part_of_caller() -> str:
+        frame = sys._getframe(2)  # above __torch_dispatch__ and this function
+        while frame is not None:
+            if frame.f_code in part_of_code:
+                return part_of_code[frame.f_code]
+            frame = frame.f_back
+        return DECODE_PARTS[-1]
+
+    def storages(values):
+        return {t.untyped_storage().data_ptr() for t in values if isinstance(t, torch.Tensor)}
+
+    class Profiler(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            part = part_of_caller()
+            ops[part] += 1
+            # an op computes unless it returns a view of an input (in-place ops, named "..._", return their input too)
+            outputs = out if isinstance(out, (tuple, list)) else (out,)
+            computing[part] += not (storages(outputs) <= storages(args) and not func.overloadpacket.__name__.endswith("_"))
+            if func.overloadpacket in flop_registry:
+                flops[part] += flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
+            return out
+
+    was_training = model.training
+    model.eval()
+    prompt = random_prompt(model, cached + 1)
+    cache = KVCache.for_model(model, batch_size=1, max_seq_len=cached + 1)
+    model(prompt[:, :cached], kv_cache=cache)
+    token = prompt[:, cached:]
+
+    def step():
+        return model(token, kv_cache=cache)
+
+    with Profiler():
+        step()
+    step_seconds = timeit(step, setup=lambda: cache.crop(cached), warmup=1, repeats=repeats).median
+    model.train(was_training)
+    return DecodeStepProfile(cached, ops, computing, flops, step_seconds)
 
 
 @torch.no_grad()

@@ -35,6 +35,7 @@ from labkit.nn import (
     scaled_dot_product_attention,
 )
 from labkit.quant import DEEPSEEK_V3
+from labkit.runtime import run_seed
 from labkit.train import TrainConfig, train
 
 
@@ -647,7 +648,8 @@ def qk_norm_logit_growth(steps: int = 40, lr: float = 3e-2, d_model: int = 32, b
     constant, deliberately high learning rate ``lr`` (AdamW, no weight decay), without and with QK-norm, recording the
     largest attention logit each step. Without QK-norm nothing bounds ``|q| |k|``, and at a high learning rate the
     logits grow (the instability OLMo 2 and Qwen3 add QK-norm against); with it, ``q`` and ``k`` are rescaled to unit RMS
-    before their gains, so a logit is at most ``sqrt(head_dim)`` times the product of the largest gains."""
+    before their gains, so a logit is at most ``sqrt(head_dim)`` times the product of the largest gains. Both runs start
+    from ``seed`` (shifted by ``LABKIT_SEED``, :func:`labkit.runtime.run_seed`): the same weights, the same batches."""
     _check_int(steps=steps, d_model=d_model, batch_size=batch_size)
     if not lr > 0:
         raise ValueError(f"lr={lr!r}: expected a positive learning rate")
@@ -660,7 +662,7 @@ def qk_norm_logit_growth(steps: int = 40, lr: float = 3e-2, d_model: int = 32, b
     curves, losses = {}, {}
     start = time.process_time()
     for qk_norm in (False, True):
-        torch.manual_seed(seed)
+        torch.manual_seed(run_seed(seed))
         model = TransformerLM(tiny_config(task.vocab_size, d_model=d_model, qk_norm=qk_norm))
         record: list[float] = []
         hooks = _max_logit_recorder(model, record)

@@ -420,3 +420,40 @@ def test_split_k_attention_combines_its_chunks_exactly():
         torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
     with pytest.raises(ValueError, match="num_splits"):
         split_k_attention(q, k, v, 0)
+
+
+def test_decode_speed_alternates_pairs_and_reports_each_ratio():
+    model = TransformerLM(tiny_config(15))
+    rows = decode_speed(model, [3], prompt_len=2, repeats=3)
+    assert len(rows[0]["speedups"]) == 3 and rows[0]["speedup"] == sorted(rows[0]["speedups"])[1]
+    with pytest.raises(ValueError, match="repeats"):
+        decode_speed(model, [3], repeats=0)
+
+
+def test_decode_step_profile_counts_flops_against_closed_forms():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from labkit.attention import DECODE_PARTS, decode_step_profile
+    from labkit.nn import Linear
+
+    torch.manual_seed(0)
+    config = tiny_config(15, num_kv_heads=2)
+    model = TransformerLM(config)
+    short, long = decode_step_profile(model, 4, repeats=1), decode_step_profile(model, 40, repeats=1)
+    assert set(short.ops) == set(DECODE_PARTS) and short.ops == long.ops and short.computing_ops == long.computing_ops
+    linear_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear))
+    assert long.flops["matmuls (Linear)"] == 2 * linear_params
+    # q.k and p.v for every query head over the cached positions and the new one
+    per_position = 4 * config.num_layers * config.num_heads * config.dim_per_head
+    assert (short.flops["attention over the cache"], long.flops["attention over the cache"]) == (5 * per_position, 41 * per_position)
+    assert all(long.computing_ops[p] <= long.ops[p] for p in DECODE_PARTS) and long.step_seconds > 0
+    # torch's own FLOP counter agrees on the whole step
+    cache = KVCache.for_model(model, 1, 41)
+    prompt = torch.randint(0, 15, (1, 41))
+    with torch.no_grad():
+        model(prompt[:, :40], kv_cache=cache)
+        with FlopCounterMode(display=False) as counter:
+            model(prompt[:, 40:], kv_cache=cache)
+    assert counter.get_total_flops() == sum(long.flops.values())
+    with pytest.raises(ValueError, match="cached"):
+        decode_step_profile(model, 0)
