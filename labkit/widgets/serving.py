@@ -126,7 +126,8 @@ def plot_serving(data: dict, title: str | None = None):
     fig.suptitle(title or (f"{data['offered_load']:g} requests/s, budget {data['max_batch_tokens']} tokens, blocks of "
                            f"{data['block_size']}, prefix caching {'on' if data['prefix_caching'] else 'off'}"),
                  fontsize=10)
-    fig.tight_layout()
+    # fixed margins instead of tight_layout, which draws every label once more to measure it: a third of a redraw
+    fig.subplots_adjust(left=0.065, right=0.99, bottom=0.14, top=0.84, wspace=0.22)
     return fig
 
 
