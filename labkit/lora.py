@@ -1075,6 +1075,63 @@ def _state_bytes(model: nn.Module, optimizer) -> dict[str, int]:
 
 
 # ============================================================================ is the update low-rank?
+def lr_sweep(base: nn.Module, task: ArithmeticTask, lrs, targets=None, r: int = 8, alpha: float = 16, *,
+             steps: int = 60, batch_size: int = 64, seed: int = 0) -> dict[float, float]:
+    """Short runs of :func:`finetune` at each learning rate in ``lrs``, from a copy of ``base``: in full
+    (``targets=None``) or with rank-``r`` LoRA on ``targets``, the adapters created after
+    ``torch.manual_seed(seed)`` and the same batches in every run (as :func:`finetune_run`). Returns
+    ``{lr: answer_loss on task's validation split}``: the loss of short runs is how learning rates are
+    compared before paying for long ones. ``base`` is left untouched."""
+    if not lrs or any(not lr > 0 for lr in lrs):
+        raise ValueError(f"lrs={lrs!r}: expected one or more positive learning rates")
+    losses = {}
+    for lr in lrs:
+        model = copy.deepcopy(base)
+        torch.manual_seed(run_seed(seed))
+        if targets is None:
+            model.requires_grad_(True)
+        else:
+            apply_lora(model, targets, r, alpha)
+        finetune(model, task, steps, lr, batch_size, seed=seed)
+        losses[lr] = answer_loss(model, task)
+    return losses
+
+
+def first_step_update_rms(model: nn.Module, task: ArithmeticTask, lr: float = 1e-3, batch_size: int = 64,
+                          seed: int = 0) -> dict[str, float]:
+    """How far the first AdamW step moves each adapted (or, without adapters, each trained linear) layer's
+    effective weight, per entry: ``RMS(W_after - W_before) / lr``, where ``W = W0 + scaling * B A``
+    under LoRA. Adam's first step moves every trained parameter by about ``lr * sign(gradient)``, so a
+    trained weight reads about 1; under LoRA only ``B`` moves (``A``'s gradient is zero while ``B = 0``)
+    and the layer reads ``scaling * RMS(sign(grad_B) A)``. One batch of ``task``'s training examples;
+    ``model`` is left untouched. DoRA layers are refused (their weight is not ``W0 + scaling * B A``)."""
+    if not lr > 0:
+        raise ValueError(f"lr={lr!r}: expected a positive learning rate")
+    _check_positive_int(batch_size=batch_size)
+    model = copy.deepcopy(model)
+    adapters = lora_layers(model)
+    if any(isinstance(layer, DoRALinear) for layer in adapters.values()):
+        raise ValueError("model: has DoRA layers, whose weight is not W0 + scaling * B A")
+    layers = adapters or {name: model.get_submodule(name) for name in target_modules(model, "all-linear")
+                          if model.get_submodule(name).weight.requires_grad}
+    if not layers:
+        raise ValueError("model: no adapter and no trainable linear layer; the first step moves nothing")
+
+    def weights():
+        return {name: (layer.delta_weight() if name in adapters else layer.weight.detach().float()).clone()
+                for name, layer in layers.items()}
+
+    params = [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad]
+    device = params[0].device
+    examples = _examples(task, "train", device)
+    generator = torch.Generator().manual_seed(run_seed(seed))
+    batch = examples[torch.randint(len(examples), (batch_size,), generator=generator).to(device)]
+    before = weights()
+    _answer_loss(model.train(), batch, task.prompt_length).backward()
+    AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0).step()
+    return {name: ((after - before[name]).square().mean().sqrt() / lr).item() for name, after in weights().items()}
+
+
 @torch.no_grad()
 def update_spectrum(w0: torch.Tensor, w1: torch.Tensor, ranks=(1, 2, 4, 8, 16)) -> dict:
     """Singular values of the update ``w1 - w0`` (fp64) and, for each rank ``r`` in ``ranks``, the

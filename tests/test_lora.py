@@ -401,6 +401,47 @@ def test_finetune_trains_the_adapters_and_measures_its_first_step():
     assert L.answer_loss(model, L.subtraction_task(), max_examples=50) > 0
 
 
+def test_lr_sweep_is_one_short_finetune_per_learning_rate():
+    base, task = small_model(), L.subtraction_task()
+    before = copy.deepcopy(base.state_dict())
+    losses = L.lr_sweep(base, task, (1e-3, 1e-2), "all-linear", r=2, alpha=4, steps=3, batch_size=8)
+    assert list(losses) == [1e-3, 1e-2]
+    assert all(torch.equal(v, before[k]) for k, v in base.state_dict().items())
+    torch.manual_seed(0)
+    by_hand = L.apply_lora(copy.deepcopy(base), "all-linear", r=2, alpha=4)
+    L.finetune(by_hand, task, 3, 1e-2, 8)
+    assert losses[1e-2] == L.answer_loss(by_hand, task)
+    full = L.lr_sweep(base, task, (1e-2,), steps=3, batch_size=8)
+    assert full[1e-2] != losses[1e-2]
+    for bad in ((), (1e-3, 0.0)):
+        with pytest.raises(ValueError, match="lrs"):
+            L.lr_sweep(base, task, bad)
+
+
+def test_first_step_update_rms_is_lr_per_entry_in_full_and_scaled_sign_of_grad_b_times_a_under_lora():
+    task = L.subtraction_task()
+    full = small_model().requires_grad_(True)
+    sizes = L.first_step_update_rms(full, task, lr=1e-3, batch_size=8)
+    assert set(sizes) == set(L.target_modules(full, "all-linear"))
+    assert all(0.9 < v <= 1 + 1e-4 for v in sizes.values())  # |step| = lr * |g| / (|g| + eps) per entry
+    torch.manual_seed(1)
+    model = L.apply_lora(small_model(), "all-linear", r=2, alpha=8)
+    state = copy.deepcopy(model.state_dict())
+    sizes = L.first_step_update_rms(model, task, lr=1e-3, batch_size=8)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    # by hand: the same batch, Adam's first step on B is lr * sign(grad), A does not move
+    examples = L._examples(task, "train", "cpu")
+    batch = examples[torch.randint(len(examples), (8,), generator=torch.Generator().manual_seed(0))]
+    L._answer_loss(model, batch, task.prompt_length).backward()
+    for name, layer in L.lora_layers(model).items():
+        expected = (layer.scaling * layer.lora_B.grad.sign() @ layer.lora_A.detach()).square().mean().sqrt().item()
+        assert sizes[name] == pytest.approx(expected, rel=1e-3)
+    with pytest.raises(ValueError, match="lr"):
+        L.first_step_update_rms(model, task, lr=0)
+    with pytest.raises(ValueError, match="DoRA"):
+        L.first_step_update_rms(L.apply_lora(small_model(), "all-linear", r=2, alpha=8, use_dora=True), task)
+
+
 def test_update_spectrum_of_a_low_rank_update():
     gen = torch.Generator().manual_seed(10)
     w0 = torch.randn(30, 20, generator=gen)
