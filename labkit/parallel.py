@@ -894,6 +894,16 @@ def _shift(x: torch.Tensor, direction: int, group) -> torch.Tensor:
     return received
 
 
+def _check_sequence_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """This rank's shards of a context-parallel attention: ``q [B, H, S, D]``, ``k, v [B, Hkv, S, D]``, Hkv dividing H."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name}: expected [batch, heads, seq_shard, head_dim], got {getattr(t, 'shape', type(t).__name__)}")
+    if k.shape != v.shape or q.shape[1] % k.shape[1] or q.shape[-2] != k.shape[-2]:
+        raise ValueError(f"q, k, v: expected q [B, H, S, D] and k, v [B, Hkv, S, D] with Hkv dividing H, "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, group=None) -> torch.Tensor:
     """Attention over a sequence split across the ranks of ``group``: rank ``r`` holds the
     ``r``-th contiguous shard of queries, keys and values (``[batch, heads, seq/N, head_dim]``;
@@ -903,12 +913,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     whole sequence, and no rank ever holds more than two K/V blocks. Under ``causal``, blocks
     from later shards are passed on without being computed (all their scores are masked).
     Differentiable: the backward pass runs the ring in reverse."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name}: expected [batch, heads, seq_shard, head_dim], got {getattr(t, 'shape', type(t).__name__)}")
-    if k.shape != v.shape or q.shape[1] % k.shape[1] or q.shape[-2] != k.shape[-2]:
-        raise ValueError(f"q, k, v: expected q [B, H, S, D] and k, v [B, Hkv, S, D] with Hkv dividing H, "
-                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    _check_sequence_shards(q, k, v)
     rank, world = _group_rank_size(group)
     scale = 1.0 / math.sqrt(q.shape[-1])
     group_size = q.shape[1] // k.shape[1]
@@ -966,12 +971,7 @@ def allgather_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     chunk-by-chunk score blocks it computed (a query chunk ``c`` needs the ``c + 1`` key chunks
     ``0..c``). Under ``"zigzag"`` every rank computes ``2N + 1`` blocks; ``"contiguous"`` gives
     rank ``r`` ``4r + 3``."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name}: expected [batch, heads, seq_shard, head_dim], got {getattr(t, 'shape', type(t).__name__)}")
-    if k.shape != v.shape or q.shape[1] % k.shape[1] or q.shape[-2] != k.shape[-2]:
-        raise ValueError(f"q, k, v: expected q [B, H, S, D] and k, v [B, Hkv, S, D] with Hkv dividing H, "
-                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    _check_sequence_shards(q, k, v)
     if q.shape[-2] % 2:
         raise ValueError(f"q: this rank holds two chunks, so its sequence length must be even, got {q.shape[-2]}")
     rank, world = _group_rank_size(group)

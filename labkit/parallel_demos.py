@@ -356,6 +356,17 @@ def torch_pipelining(rank: int, world_size: int, micro_batches: int = 4, micro_b
     return out
 
 
+def _attention_inputs(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, seed: int):
+    """The whole sequence's q, k, v (leaves that want gradients) and an output gradient, the same on every rank."""
+    device = rank_device()
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, seq, head_dim, generator=gen).to(device).requires_grad_()
+    k = torch.randn(batch, kv_heads, seq, head_dim, generator=gen).to(device).requires_grad_()
+    v = torch.randn(batch, kv_heads, seq, head_dim, generator=gen).to(device).requires_grad_()
+    grad_out = torch.randn(batch, heads, seq, head_dim, generator=gen).to(device)
+    return q, k, v, grad_out
+
+
 def ring_attention_check(rank: int, world_size: int, batch: int = 2, heads: int = 4, kv_heads: int = 2, seq: int = 16,
                          head_dim: int = 8, causal: bool = True, seed: int = 0) -> dict:
     """:func:`labkit.parallel.ring_attention` on this rank's sequence shard vs full attention
@@ -363,12 +374,7 @@ def ring_attention_check(rank: int, world_size: int, batch: int = 2, heads: int 
     gradients of the shard, and the bytes sent (measured and predicted)."""
     from labkit.attention import plain_attention
 
-    device = rank_device()
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, heads, seq, head_dim, generator=gen).to(device).requires_grad_()
-    k = torch.randn(batch, kv_heads, seq, head_dim, generator=gen).to(device).requires_grad_()
-    v = torch.randn(batch, kv_heads, seq, head_dim, generator=gen).to(device).requires_grad_()
-    grad_out = torch.randn(batch, heads, seq, head_dim, generator=gen).to(device)
+    q, k, v, grad_out = _attention_inputs(batch, heads, kv_heads, seq, head_dim, seed)
     full = plain_attention(q, k, v, causal=causal)
     (full * grad_out).sum().backward()
     local = [sequence_shard(t.detach(), rank, world_size).clone().requires_grad_() for t in (q, k, v)]
@@ -390,17 +396,12 @@ def context_parallel_check(rank: int, world_size: int, batch: int = 2, heads: in
     and bytes (forward) as the meter counted them."""
     from labkit.attention import plain_attention
 
-    device = rank_device()
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, heads, seq, head_dim, generator=gen).to(device).requires_grad_()
-    k = torch.randn(batch, kv_heads, seq, head_dim, generator=gen).to(device).requires_grad_()
-    v = torch.randn(batch, kv_heads, seq, head_dim, generator=gen).to(device).requires_grad_()
-    grad_out = torch.randn(batch, heads, seq, head_dim, generator=gen).to(device)
+    q, k, v, grad_out = _attention_inputs(batch, heads, kv_heads, seq, head_dim, seed)
     full = plain_attention(q, k, v, causal=True)
     (full * grad_out).sum().backward()
     results = {}
     for layout in ("contiguous", "zigzag"):
-        positions = torch.tensor(context_parallel_positions(seq, world_size, layout)[rank], device=device)
+        positions = torch.tensor(context_parallel_positions(seq, world_size, layout)[rank], device=q.device)
         local = [t.detach().index_select(-2, positions).clone().requires_grad_() for t in (q, k, v)]
         with CommMeter() as forward_meter:
             out, blocks = allgather_context_attention(*local, layout=layout)
