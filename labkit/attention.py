@@ -565,18 +565,20 @@ def decode_step_profile(model, cached: int, repeats: int = 9) -> DecodeStepProfi
 
     was_training = model.training
     model.eval()
-    prompt = random_prompt(model, cached + 1)
-    cache = KVCache.for_model(model, batch_size=1, max_seq_len=cached + 1)
-    model(prompt[:, :cached], kv_cache=cache)
-    token = prompt[:, cached:]
+    try:  # the model leaves in the mode it came in, whatever happens on the way
+        prompt = random_prompt(model, cached + 1)
+        cache = KVCache.for_model(model, batch_size=1, max_seq_len=cached + 1)
+        model(prompt[:, :cached], kv_cache=cache)
+        token = prompt[:, cached:]
 
-    def step():
-        return model(token, kv_cache=cache)
+        def step():
+            return model(token, kv_cache=cache)
 
-    with Profiler():
-        step()
-    step_seconds = timeit(step, setup=lambda: cache.crop(cached), warmup=1, repeats=repeats).median
-    model.train(was_training)
+        with Profiler():
+            step()
+        step_seconds = timeit(step, setup=lambda: cache.crop(cached), warmup=1, repeats=repeats).median
+    finally:
+        model.train(was_training)
     return DecodeStepProfile(cached, ops, computing, flops, step_seconds)
 
 

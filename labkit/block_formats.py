@@ -370,8 +370,9 @@ def random_hadamard(n: int = 16, generator: torch.Generator | None = None) -> to
     ``(A R)(R^T B) = A B``. NVIDIA's NVFP4 recipe (*Pretraining LLMs with NVFP4*, 2025) applies a 16x16 one
     to both inputs of the weight-gradient GEMM, with one fixed sign vector (Transformer Engine's
     ``get_rht_matrix``), before quantizing them to NVFP4."""
+    matrix = hadamard_matrix(n)  # first: it checks n
     signs = torch.randint(0, 2, (n,), generator=generator).double() * 2 - 1
-    return signs[:, None] * hadamard_matrix(n) / math.sqrt(n)
+    return signs[:, None] * matrix / math.sqrt(n)
 
 
 def hadamard_transform(x: torch.Tensor, matrix: torch.Tensor, inverse: bool = False) -> torch.Tensor:

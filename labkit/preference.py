@@ -534,6 +534,11 @@ def clipped_surrogate(logps: torch.Tensor, old_logps: torch.Tensor, advantages: 
     return torch.minimum(ratio * adv, bounded * adv), (ratio != bounded).float()
 
 
+def _check_updates(updates) -> None:
+    if isinstance(updates, bool) or not isinstance(updates, int) or updates < 1:
+        raise ValueError(f"updates={updates!r}: expected an int >= 1 (optimizer steps per batch of samples)")
+
+
 def grpo_step(policy: nn.Module, ref: nn.Module, prompts: torch.Tensor, reward_fn: Callable, group_size: int,
               beta: float = 0.04, clip: float = 0.2, *, optimizer: torch.optim.Optimizer, task: ArithmeticTask,
               updates: int = 1, temperature: float = 1.0, generator: torch.Generator | None = None,
@@ -545,6 +550,7 @@ def grpo_step(policy: nn.Module, ref: nn.Module, prompts: torch.Tensor, reward_f
     ``scale_rewards=False`` is Dr. GRPO). Returns the step's mean reward,
     loss, k3 KL per token, clip fraction and the fraction of groups that carried any signal."""
     _check_ids("prompts", prompts)
+    _check_updates(updates)
     prompt_ids = prompts.repeat_interleave(group_size, dim=0)
     response_ids, mask = sample_responses(policy, prompt_ids, task, temperature, generator)
     rewards = reward_fn(prompt_ids, response_ids, mask).float()
@@ -699,6 +705,7 @@ def ppo_step(policy: nn.Module, value_model: ValueModel, ref: nn.Module, prompts
     clipped to ``grad_clip`` separately). Returns the mean score, the losses, the KL per token (k1), the clip
     fractions and the value model's error before the updates."""
     _check_ids("prompts", prompts)
+    _check_updates(updates)
     if not isinstance(samples_per_prompt, int) or samples_per_prompt < 1:
         raise ValueError(f"samples_per_prompt={samples_per_prompt!r}: expected a positive integer")
     prompt_ids = prompts.repeat_interleave(samples_per_prompt, dim=0)

@@ -422,3 +422,9 @@ def test_hadamard_bad_input_is_named():
         B.hadamard_transform(torch.ones(10), B.random_hadamard(16))
     with pytest.raises(ValueError, match="a, b"):
         B.quantized_matmul(torch.ones(4, 16), torch.ones(8, 4), "nvfp4")
+
+
+@pytest.mark.parametrize("n", [0, -4, 12])
+def test_random_hadamard_names_a_bad_size(n):
+    with pytest.raises(ValueError, match="n="):
+        B.random_hadamard(n)

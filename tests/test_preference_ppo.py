@@ -194,3 +194,12 @@ def test_ppo_raises_the_verifiable_reward_and_counts_what_the_value_model_costs(
     assert state["reference"] == {"parameters": 4 * early.num_params(), "gradients": 0, "optimizer state": 0}
     with pytest.raises(TypeError, match="value_model"):
         P.train_ppo(policy, early, early, task, P.verifiable_reward(task), steps=1)
+
+
+@pytest.mark.parametrize("updates", [0, -1, True, 1.0])
+def test_an_rl_step_without_updates_is_refused_by_name(updates):
+    prompts = torch.zeros(2, 3, dtype=torch.long)  # checked before anything else is used
+    with pytest.raises(ValueError, match="updates"):
+        P.ppo_step(None, None, None, prompts, None, optimizer=None, task=None, updates=updates)
+    with pytest.raises(ValueError, match="updates"):
+        P.grpo_step(None, None, prompts, None, 2, optimizer=None, task=None, updates=updates)

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from labkit import lora as L
 from labkit.model import TransformerLM
 from labkit.nn import rotate_half_permutation
 from labkit.serving.engine import RequestOutput
@@ -143,6 +142,8 @@ def llama_lora_weights(model: TransformerLM) -> dict[str, torch.Tensor]:
     if not isinstance(model, TransformerLM):
         raise TypeError(f"model: expected a labkit.model.TransformerLM with LoRA adapters, got {type(model).__name__}")
     llama_config(model)
+    from labkit import lora as L  # here, not at the top: exporting a plain model needs none of LoRA's imports
+
     layers = {**L.lora_layers(model), **L.ia3_layers(model)}
     if not layers:
         raise ValueError("model: has no LoRA adapters (wrap its layers with labkit.lora.apply_lora first)")
