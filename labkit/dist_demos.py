@@ -64,12 +64,12 @@ def ring_vs_all_reduce(rank: int, world_size: int, numel: int = 1000) -> dict:
     return {"ring": ours, "all_reduce": theirs, "max_abs_diff": (ours - theirs).abs().max().item()}
 
 
-def _toy_setup(seed: int, global_batch: int, seq_len: int):
+def _toy_setup(seed: int, global_batch: int, seq_len: int, num_layers: int = 2):
     """A tiny TransformerLM and a fixed global batch, identical on every rank."""
     from labkit.model import TransformerLM, tiny_config
 
     torch.manual_seed(seed)
-    config = tiny_config(vocab_size=16, context_length=seq_len, d_model=32, num_layers=2, num_heads=4, d_ff=64)
+    config = tiny_config(vocab_size=16, context_length=seq_len, d_model=32, num_layers=num_layers, num_heads=4, d_ff=64)
     model = TransformerLM(config).to(rank_device())
     tokens = torch.randint(0, 16, (global_batch, seq_len + 1)).to(rank_device())
     return model, tokens[:, :-1], tokens[:, 1:]
@@ -389,6 +389,63 @@ def fsdp_inside(rank: int, world_size: int, global_batch: int = 8, seq_len: int 
     return out
 
 
+def fsdp_prefetch(rank: int, world_size: int, num_layers: int = 4, global_batch: int = 8, seq_len: int = 16, seed: int = 0) -> dict:
+    """When FSDP2 issues each unit's all-gather, relative to each block's compute, in one forward and backward
+    (ZeRO-3: every block and the root ``fully_shard``-ed), with FSDP2's default prefetching (``"default"``) and with
+    explicit forward prefetching, ``blocks[i].set_modules_to_forward_prefetch([blocks[i + 1]])`` (``"explicit"``).
+    Returns per setting ``events``, in call order: ``("all_gather", bytes)`` and ``("reduce_scatter", bytes)`` as
+    ``CommMeter`` sees them, ``("forward", i)`` when block i's forward starts (a forward pre-hook, after FSDP2's own,
+    which gathers the block and issues its prefetches) and ``("backward", i)`` when its backward starts (a hook on
+    the block's output gradient, after FSDP2's pre-backward hook); and ``gathers_at_forward[i]`` and
+    ``gathers_at_backward[i]``: how many all-gathers of that pass were issued when block i's forward (its backward)
+    started."""
+    from torch.distributed.fsdp import fully_shard
+
+    from labkit.train import cross_entropy
+
+    if num_layers < 2:
+        raise ValueError(f"num_layers={num_layers}: prefetching needs a next block, so at least 2")
+    base, x, y = _toy_setup(seed, global_batch, seq_len, num_layers=num_layers)
+    local = _local_slice(rank, world_size, global_batch)
+    out = {}
+    for setting in ("default", "explicit"):
+        model = copy.deepcopy(base)
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        blocks = list(model.layers)
+        if setting == "explicit":
+            for block, following in zip(blocks, blocks[1:]):
+                block.set_modules_to_forward_prefetch([following])
+        marks = []  # (number of collectives called so far, event)
+        with CommMeter() as meter:
+            def mark(event):
+                marks.append((len(meter.events), event))
+
+            def mark_backward(i, output):
+                # registered on the block's output after FSDP2's own pre-backward hook, so it runs after that one
+                output.register_hook(lambda _: mark(("backward", i)))
+
+            for i, block in enumerate(blocks):
+                block.register_forward_pre_hook(lambda *_, i=i: mark(("forward", i)))
+                block.register_forward_hook(lambda _module, _args, output, i=i: mark_backward(i, output))
+            loss = cross_entropy(model(x[local]), y[local])
+            in_forward = len(meter.events)
+            loss.backward()
+        events, done = [], 0
+        for position, event in marks:
+            events += meter.events[done:position] + [event]
+            done = position
+        events += meter.events[done:]
+        count = lambda position, start: sum(op == "all_gather" for op, _ in meter.events[start:position])
+        out[setting] = {
+            "events": events,
+            "gathers_at_forward": [count(n, 0) for n, (phase, _) in marks if phase == "forward"],
+            "gathers_at_backward": {i: count(n, in_forward) for n, (phase, i) in marks if phase == "backward"},
+        }
+    return out
+
+
 def fail_on_rank(rank: int, world_size: int, bad_rank: int = 1) -> int:
     """Raises on ``bad_rank`` after printing a line; the other ranks wait in a collective."""
     print(f"rank {rank} starting")
@@ -427,7 +484,7 @@ def several(rank: int, world_size: int, demos: dict[str, dict]) -> dict:
 
 
 _DEMOS = {f.__name__: f for f in (hello, collectives, ring_vs_all_reduce, data_parallel, ddp_overlap, gradient_accumulation, zero1,
-                                  zero1_mixed_precision, fsdp, fsdp_inside)}
+                                  zero1_mixed_precision, fsdp, fsdp_inside, fsdp_prefetch)}
 
 
 # ----------------------------------------------------------------------------- drawing the collectives

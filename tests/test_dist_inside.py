@@ -10,12 +10,14 @@ from labkit.dist import bucket_plan, launch
 WORLD = 3  # 3 does not divide the toy model's rows: FSDP2's padded shards are tested too
 BUCKETS_MB = (0.002, 0.01, 1.0)
 BATCH = 6
+LAYERS = 3  # the prefetch demo's blocks
 
 
 @pytest.fixture(scope="module")
 def demos():
     return launch(dist_demos.several, world_size=WORLD, backend="gloo", timeout=300, quiet=True, demos={
         "ddp_overlap": {"bucket_sizes_mb": BUCKETS_MB, "global_batch": BATCH}, "fsdp_inside": {"global_batch": BATCH},
+        "fsdp_prefetch": {"global_batch": BATCH, "num_layers": LAYERS},
     })
 
 
@@ -88,3 +90,29 @@ def test_zero2_and_zero3_hold_and_send_what_the_shapes_say(demos):
         assert bf16["backward"]["all_gather"] == {"calls": len(full) - 1, "sent": (n - 1) * blocks // 2}
         assert bf16["backward"]["reduce_scatter"] == {"calls": len(full), "sent": pytest.approx((n - 1) * S)}
         assert bf16["held_after_forward"] == sum(local[rank].values()) + full["root"] // 2  # the gathered root in bf16
+
+
+def test_explicit_forward_prefetch_issues_the_next_blocks_all_gather_before_this_block_runs(demos):
+    model, _, _ = dist_demos._toy_setup(0, BATCH, 16, num_layers=LAYERS)
+    root = _padded_shard_bytes([p for name, p in model.named_parameters() if not name.startswith("layers.")])
+    block = _padded_shard_bytes(list(model.layers[0].parameters()))
+    gather, reduce = ("all_gather", block), ("reduce_scatter", WORLD * block)
+    default_forward = [("all_gather", root)] + [e for i in range(LAYERS) for e in (gather, ("forward", i))]
+    explicit_forward = [("all_gather", root), gather] + [e for i in range(LAYERS) for e in [gather] * (i + 1 < LAYERS) + [("forward", i)]]
+    # backward (the same in both: FSDP2 prefetches one unit ahead in backward by default): the last block is gathered
+    # again, then each block's backward starts once the previous block's all-gather is issued, and its gradients are
+    # reduce-scattered when it ends; the root's last
+    backward = [gather] + [e for i in reversed(range(LAYERS)) for e in [gather] * (i > 0) + [("backward", i), reduce]]
+    backward.append(("reduce_scatter", WORLD * root))
+    for rank in range(WORLD):
+        default, explicit = demos[rank]["fsdp_prefetch"]["default"], demos[rank]["fsdp_prefetch"]["explicit"]
+        assert default["events"] == default_forward + backward and explicit["events"] == explicit_forward + backward
+        assert default["gathers_at_forward"] == [i + 2 for i in range(LAYERS)]  # the root's and blocks 0..i
+        assert explicit["gathers_at_forward"] == [min(i + 3, LAYERS + 1) for i in range(LAYERS)]  # ... and block i + 1
+        for r in (default, explicit):
+            assert r["gathers_at_backward"] == {i: min(LAYERS - i + 1, LAYERS) for i in range(LAYERS)}
+
+
+def test_fsdp_prefetch_needs_two_blocks():
+    with pytest.raises(ValueError, match="num_layers"):
+        dist_demos.fsdp_prefetch(0, 1, num_layers=1)
