@@ -656,10 +656,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
     then ``dX = dY W`` and ``dW = dY^T X`` reuse the FP8 copies of W and X saved by the forward."""
 
     @staticmethod
-    def forward(ctx, x, weight, layer):
+    def forward(ctx, x, weight, layer, record):
         device_type = x.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        record = layer.training and torch.is_grad_enabled()  # a training step, not an evaluation
         with torch.autocast(device_type, enabled=False):  # the FP8 products must not be re-rounded to bf16
             xq, x_scale = layer.input_scaling.cast(x, record)
             wq, w_scale = layer.weight_scaling.cast(weight, record)
@@ -676,7 +675,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             gq, g_scale = ctx.layer.grad_scaling.cast(grad_output)
             grad_x = (gq @ wq) * _fp32(g_scale * w_scale)
             grad_w = (gq.reshape(-1, gq.shape[-1]).T @ xq.reshape(-1, xq.shape[-1])) * _fp32(g_scale * x_scale)
-        return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None
+        return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None
 
 
 class Fp8Linear(torch.nn.Module):
@@ -701,7 +700,10 @@ class Fp8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.d_in:
             raise ValueError(f"x: last dim must be d_in={self.d_in}, got shape {tuple(x.shape)}")
-        return _Fp8LinearFunction.apply(x, self.weight, self)
+        # A training step records amaxes and counts, an evaluation does not. Decided here: autograd runs a
+        # Function's forward with gradients off, so inside it every pass would look like an evaluation.
+        record = self.training and torch.is_grad_enabled()
+        return _Fp8LinearFunction.apply(x, self.weight, self, record)
 
     def extra_repr(self) -> str:
         return f"d_in={self.d_in}, d_out={self.d_out}, {self.recipe}"

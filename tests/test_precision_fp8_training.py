@@ -143,3 +143,19 @@ def test_bad_input_is_named():
         P.fp8_cast_counts([], "activations")
     with pytest.raises(TypeError, match="steps"):
         P.fp8_cast_counts([], "grad", steps=3)
+
+
+def test_a_training_step_records_every_operand_and_delayed_scaling_uses_the_history():
+    # The forward casts record too (a Function's forward runs with gradients off, so the layer decides): after one
+    # delayed step each operand has one count and one amax in its history, and the next step scales by that amax.
+    task = ArithmeticTask(num_digits=2, op="+", reverse_answer=True)
+    config = TrainConfig(steps=2, batch_size=4, context_length=16, warmup_iters=1, eval_every=2, eval_batches=1)
+    torch.manual_seed(0)
+    _, layers = P.train_fp8(P.Fp8Recipe(scaling="delayed"), TransformerLM(tiny_config(task.vocab_size)),
+                            task.tokens("train"), task.tokens("val"), config, progress=False)
+    for layer in layers:
+        for scaling in (layer.input_scaling, layer.weight_scaling, layer.grad_scaling):
+            assert len(scaling.counts) == 2 and len(scaling.history.amax_history) == 2
+        amax = max(layer.weight_scaling.history.amax_history)
+        assert layer.weight_scaling.history.scale == pytest.approx(amax / P.get_format("fp8_e4m3").max)
+    assert P.fp8_cast_counts(layers, "weight")["flushed"] > 0  # scale 1 at the first step: small weights underflow
