@@ -107,12 +107,17 @@ def test_use_fp8_converts_every_linear_but_the_head_and_keeps_the_parameters():
     assert all(not s.counts for m in layers for s in (m.input_scaling, m.weight_scaling, m.grad_scaling))  # evaluation records nothing
 
 
-def test_train_fp8_learns_and_counts_every_step():
+def _train_tiny_adder(recipe, steps):
+    """``train_fp8`` of a tiny model on 2-digit addition for ``steps`` steps (seed 0): its history and FP8 layers."""
     task = ArithmeticTask(num_digits=2, op="+", reverse_answer=True)
-    config = TrainConfig(steps=6, batch_size=4, context_length=16, warmup_iters=1, eval_every=6, eval_batches=1)
+    config = TrainConfig(steps=steps, batch_size=4, context_length=16, warmup_iters=1, eval_every=steps, eval_batches=1)
     torch.manual_seed(0)
-    history, layers = P.train_fp8(P.Fp8Recipe(scaling="current"), TransformerLM(tiny_config(task.vocab_size)),
-                                  task.tokens("train"), task.tokens("val"), config, progress=False)
+    return P.train_fp8(recipe, TransformerLM(tiny_config(task.vocab_size)), task.tokens("train"), task.tokens("val"),
+                       config, progress=False)
+
+
+def test_train_fp8_learns_and_counts_every_step():
+    history, layers = _train_tiny_adder(P.Fp8Recipe(scaling="current"), steps=6)
     assert len(history.train_loss) == 6 and history.train_loss[-1] < history.train_loss[0]
     assert all(len(m.grad_scaling.counts) == 6 for m in layers)
     counts = P.fp8_cast_counts(layers, "grad")
@@ -148,11 +153,7 @@ def test_bad_input_is_named():
 def test_a_training_step_records_every_operand_and_delayed_scaling_uses_the_history():
     # The forward casts record too (a Function's forward runs with gradients off, so the layer decides): after one
     # delayed step each operand has one count and one amax in its history, and the next step scales by that amax.
-    task = ArithmeticTask(num_digits=2, op="+", reverse_answer=True)
-    config = TrainConfig(steps=2, batch_size=4, context_length=16, warmup_iters=1, eval_every=2, eval_batches=1)
-    torch.manual_seed(0)
-    _, layers = P.train_fp8(P.Fp8Recipe(scaling="delayed"), TransformerLM(tiny_config(task.vocab_size)),
-                            task.tokens("train"), task.tokens("val"), config, progress=False)
+    _, layers = _train_tiny_adder(P.Fp8Recipe(scaling="delayed"), steps=2)
     for layer in layers:
         for scaling in (layer.input_scaling, layer.weight_scaling, layer.grad_scaling):
             assert len(scaling.counts) == 2 and len(scaling.history.amax_history) == 2
