@@ -37,7 +37,7 @@ from labkit.attention import online_softmax_update
 from labkit.dist import CommMeter, collective_bytes_sent  # noqa: F401  (the meter lives with chapter 07's collectives)
 from labkit.memory import SavedTensorMeter
 from labkit.model import TransformerBlock, TransformerLM
-from labkit.nn import ACTIVATIONS, GLU, MultiHeadSelfAttention, causal_mask
+from labkit.nn import ACTIVATIONS, GLU, MultiHeadSelfAttention, causal_mask, grouped_query_attention
 
 
 # ============================================================================ tensor parallelism: f and g
@@ -980,15 +980,12 @@ def allgather_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     kv = gather_from_sequence_parallel(torch.stack((k, v)), group, dim=-2)  # [2, B, Hkv, seq, D], rank after rank
     kv_by_chunk = {c: kv[..., (2 * j + i) * size:(2 * j + i + 1) * size, :]
                    for j, held in enumerate(chunks) for i, c in enumerate(held)}
-    group_size = q.shape[1] // k.shape[1]
     outputs, blocks = [], 0
     for i, c in enumerate(chunks[rank]):
-        q_chunk = q[..., i * size:(i + 1) * size, :]
-        keys = torch.cat([kv_by_chunk[j] for j in range(c + 1)], dim=-2).repeat_interleave(group_size, dim=2)
-        scores = q_chunk @ keys[0].transpose(-2, -1) / math.sqrt(q.shape[-1])
-        visible = torch.ones(size, (c + 1) * size, dtype=torch.bool, device=q.device)
-        visible[:, c * size:] = causal_mask(size, size, device=q.device)  # the diagonal block
-        outputs.append(torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ keys[1])
+        k_seen, v_seen = torch.cat([kv_by_chunk[j] for j in range(c + 1)], dim=-2)  # key chunks 0..c
+        # query chunk c holds the last `size` of these positions: the bottom-right causal mask
+        outputs.append(grouped_query_attention(q[..., i * size:(i + 1) * size, :], k_seen, v_seen,
+                                               causal_mask(size, (c + 1) * size, device=q.device)))
         blocks += c + 1
     return torch.cat(outputs, dim=-2), blocks
 
