@@ -14,11 +14,11 @@ from labkit import runtime as _runtime  # noqa: E402
 _runtime.configure_triton()
 
 from labkit.claims import about, expect  # noqa: E402
-from labkit.runtime import device, pick, seed_everything, setup  # noqa: E402
+from labkit.runtime import RunPool, device, pick, seed_everything, setup  # noqa: E402
 from labkit.show import show_source  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["about", "device", "expect", "pick", "seed_everything", "setup", "show_source"]
+__all__ = ["RunPool", "about", "device", "expect", "pick", "seed_everything", "setup", "show_source"]
 
 
 def __getattr__(name: str):

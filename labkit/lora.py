@@ -1015,22 +1015,25 @@ def targets_label(targets) -> str:
 
 def finetune_run(base: nn.Module, new_task: ArithmeticTask, old_task: ArithmeticTask, targets=None, r: int = 8,
                  alpha: float = 16, *, lr: float, steps: int = 300, batch_size: int = 32, use_rslora: bool = False,
-                 use_dora: bool = False, loraplus_lr_ratio: float | None = None, seed: int = 0,
+                 use_dora: bool = False, loraplus_lr_ratio: float | None = None, use_ia3: bool = False, seed: int = 0,
                  old_examples: int | None = None) -> tuple[nn.Module, dict]:
     """One row of the chapter's comparison: a copy of ``base`` fine-tuned on ``new_task`` with
     :func:`finetune`, in full (``targets=None``) or with rank-``r`` LoRA on ``targets`` (QLoRA when
     ``base`` holds quantized layers; DoRA with ``use_dora``; LoRA+ with ``loraplus_lr_ratio``), then
-    measured on both tasks. ``base`` is left untouched.
+    measured on both tasks. ``use_ia3``: IA3 scales on ``targets`` instead of adapters (:func:`apply_ia3`;
+    ``r`` and ``alpha`` unused). ``base`` is left untouched.
 
     ``torch.manual_seed(seed)`` before the adapters are created (``A``'s random init) and the same
     ``seed`` for the batches, so every run starts from the same point and sees the same examples.
-    Returns the fine-tuned model and ``{"method" ("full", "LoRA", "QLoRA", "DoRA" or "LoRA+"), "targets", "r",
+    Returns the fine-tuned model and ``{"method" ("full", "LoRA", "QLoRA", "DoRA", "LoRA+" or "IA3"), "targets", "r",
     "alpha", "trainable", "new"
     (exact-match accuracy on new_task's validation split), "old" (on old_task's, its first
     ``old_examples`` pairs if given), "old_loss" (:func:`answer_loss` on the same old_task pairs),
     "final_loss" (mean of the last 20 steps), "memory" (bytes measured on the first step),
     "seconds_per_step"}``.
     """
+    if targets is None and use_ia3:
+        raise ValueError("use_ia3: give targets, the layers whose features IA3 scales (IA3_TARGETS: PEFT's defaults)")
     if targets is None and any(isinstance(m, QuantLinear) for m in base.modules()):
         raise ValueError("targets=None (full fine-tuning) of a quantized model: its 4-bit weights cannot train; give targets (QLoRA)")
     model = copy.deepcopy(base)
@@ -1040,6 +1043,11 @@ def finetune_run(base: nn.Module, new_task: ArithmeticTask, old_task: Arithmetic
             raise ValueError("use_dora, loraplus_lr_ratio: apply to adapters; give targets")
         model.requires_grad_(True)
         method, label, rank = "full", "-", None
+    elif use_ia3:
+        if use_dora or use_rslora or loraplus_lr_ratio is not None:
+            raise ValueError("use_ia3: IA3 trains scales, not adapters; use_dora, use_rslora and loraplus_lr_ratio do not apply")
+        apply_ia3(model, targets)
+        method, label, rank, alpha = "IA3", targets_label(targets), None, None
     else:
         apply_lora(model, targets, r, alpha, use_rslora=use_rslora, use_dora=use_dora)
         method = "QLoRA" if any(isinstance(m, QuantLinear) for m in model.modules()) else "LoRA"

@@ -240,3 +240,109 @@ def on_gpu() -> bool:
 def pick(cpu, gpu):
     """The value for the current device: small sizes on a laptop CPU, large ones on a GPU."""
     return gpu if on_gpu() else cpu
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the OS reports one, as in a container)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS, Windows
+        return max(1, os.cpu_count() or 1)
+
+
+def _start_worker(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+class _Deferred:
+    """A job run in this process the first time its result is asked for (a ``Future``'s ``result``/``done``)."""
+
+    def __init__(self, fn, args, kwargs):
+        self._job, self._outcome = (fn, args, kwargs), None
+
+    def result(self, timeout=None):
+        if self._outcome is None:
+            fn, args, kwargs = self._job
+            try:
+                self._outcome = (True, fn(*args, **kwargs))
+            except Exception as error:  # noqa: BLE001 - re-raised to every caller, as a Future does
+                self._outcome = (False, error)
+        ok, value = self._outcome
+        if not ok:
+            raise value
+        return value
+
+    def done(self) -> bool:
+        return self._outcome is not None
+
+
+class RunPool:
+    """Independent CPU-bound jobs (a chapter's training runs) spread over worker processes, one per core.
+
+    At the chapters' sizes one run cannot use a second core (:func:`choose_threads`: more threads are
+    no faster), but two runs can use two: each worker process runs one job at a time on one thread, so
+    ``workers`` jobs run at once. ``submit(fn, *args, **kwargs)`` returns at once with a future;
+    ``future.result()`` waits for the job and returns what ``fn`` returned (or raises what it raised).
+    The results are the ones the same calls give in this process with one thread: every job seeds
+    itself, and its arguments and result are copied between processes (``fn`` must be importable:
+    a labkit function, not one defined in the notebook).
+
+    With one worker (one usable core, or ``workers=1``) or on a GPU, which runs one job fast and
+    whose memory the jobs would have to share, no process is started: each job runs here, when its
+    result is first asked for. ``shutdown()`` (or leaving a ``with`` block) ends the workers; they
+    also end with the notebook's kernel."""
+
+    def __init__(self, workers: int | None = None, device: str | torch.device | None = None, max_workers: int = 4):
+        if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
+            raise ValueError(f"workers={workers!r}: expected a positive integer, or None for one per usable core")
+        if not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1:
+            raise ValueError(f"max_workers={max_workers!r}: expected a positive integer")
+        on_cuda = get_device(device).type != "cpu"
+        self.workers = 1 if on_cuda else (workers or min(usable_cores(), max_workers))
+        self._executor, self._closed = None, False
+        if self.workers > 1:
+            self._start()
+
+    def _start(self) -> None:
+        import concurrent.futures
+        import multiprocessing
+
+        # Not fork: a forked copy of a kernel that already runs threads can deadlock. A fork server,
+        # started now, imports labkit (and torch: seconds) once while the notebook goes on, and forks
+        # the workers from itself on the first submit; without one (Windows) each worker is spawned
+        # and imports them itself.
+        if "forkserver" in multiprocessing.get_all_start_methods():
+            from multiprocessing import forkserver
+
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(["labkit"])
+            forkserver.ensure_running()
+        else:
+            context = multiprocessing.get_context("spawn")
+        self._executor = concurrent.futures.ProcessPoolExecutor(
+            self.workers, mp_context=context, initializer=_start_worker, initargs=(1,))
+
+    def submit(self, fn, *args, **kwargs):
+        if not callable(fn):
+            raise TypeError(f"fn: expected a function, got {type(fn).__name__}")
+        if self._closed:
+            raise RuntimeError("submit: this RunPool was shut down; make a new one")
+        if self._executor is None:
+            return _Deferred(fn, args, kwargs)
+        return self._executor.submit(fn, *args, **kwargs)
+
+    def shutdown(self) -> None:
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        where = f"{self.workers} worker processes, one thread each" if self.workers > 1 else "in this process"
+        return f"RunPool({where})"

@@ -734,6 +734,23 @@ def test_ia3_scales_outputs_or_feedforward_inputs_and_starts_as_the_base():
         L.apply_ia3(model)
 
 
+def test_finetune_run_with_use_ia3_is_apply_ia3_then_finetune():
+    task = L.subtraction_task()
+    base = small_model()
+    model, row = L.finetune_run(base, task, task, L.IA3_TARGETS, lr=1e-2, steps=3, batch_size=4, use_ia3=True)
+    by_hand = L.apply_ia3(copy.deepcopy(base))
+    result = L.finetune(by_hand, task, 3, 1e-2, 4)
+    assert row["method"] == "IA3" and row["r"] is None and row["alpha"] is None
+    assert row["trainable"] == result["trainable"] == L.trainable_parameters(by_hand)[0]
+    assert row["final_loss"] == pytest.approx(sum(result["loss"]) / 3, rel=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), by_hand.state_dict().values()))
+    assert not any(isinstance(m, L.IA3Linear) for m in base.modules())  # base left untouched
+    with pytest.raises(ValueError, match="use_ia3: give targets"):
+        L.finetune_run(base, task, task, None, lr=1e-3, steps=1, use_ia3=True)
+    with pytest.raises(ValueError, match="use_dora"):
+        L.finetune_run(base, task, task, L.IA3_TARGETS, lr=1e-3, steps=1, use_ia3=True, use_dora=True)
+
+
 def test_ia3_and_the_parameter_map_match_peft_on_the_exported_llama(tmp_path):
     """IA3 with the same scales in PEFT on the exported checkpoint computes labkit's logits; PEFT's prompt tuning,
     prefix tuning and IA3 train exactly the counts peft_parameter_counts gives."""

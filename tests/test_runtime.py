@@ -148,3 +148,51 @@ def test_bad_thread_counts_are_refused(bad):
         labkit.setup(device="cpu", threads=bad)
     with pytest.raises(ValueError, match="candidates"):
         runtime.choose_threads([bad])
+
+
+def _threads_and_seeded_draw(seed: int) -> tuple[int, list[float]]:
+    """A job for RunPool: the thread count its worker runs with, and a draw that depends only on ``seed``."""
+    torch.manual_seed(seed)
+    return torch.get_num_threads(), torch.randn(3).tolist()
+
+
+def _fails(message: str):
+    raise KeyError(message)
+
+
+def test_run_pool_returns_what_the_same_calls_return_here_on_one_thread_per_worker():
+    with labkit.RunPool(workers=2, device="cpu") as pool:
+        jobs = [pool.submit(_threads_and_seeded_draw, seed) for seed in (0, 1, 2)]
+        failing = pool.submit(_fails, "from the worker")
+        results = [job.result() for job in jobs]
+        with pytest.raises(KeyError, match="from the worker"):
+            failing.result()
+    assert [threads for threads, _ in results] == [1, 1, 1]
+    for seed, (_, draw) in zip((0, 1, 2), results):
+        assert draw == _threads_and_seeded_draw(seed)[1]
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit(_threads_and_seeded_draw, 0)
+
+
+def test_run_pool_with_one_worker_runs_each_job_here_when_its_result_is_asked_for():
+    calls = []
+    pool = labkit.RunPool(workers=1)
+    job = pool.submit(calls.append, "ran")
+    assert calls == [] and not job.done()  # nothing runs before the result is asked for
+    assert job.result() is None and job.result() is None and calls == ["ran"]  # and then once
+    failing = pool.submit(_fails, "here")
+    for _ in range(2):
+        with pytest.raises(KeyError, match="here"):
+            failing.result()
+    assert "in this process" in repr(pool)
+
+
+@pytest.mark.parametrize("bad", [dict(workers=0), dict(workers=1.5), dict(workers=True), dict(max_workers=0)])
+def test_run_pool_refuses_bad_worker_counts(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        labkit.RunPool(**bad)
+
+
+def test_run_pool_refuses_what_it_cannot_call():
+    with pytest.raises(TypeError, match="fn"):
+        labkit.RunPool(workers=1).submit("finetune_run")
