@@ -250,8 +250,27 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _start_worker(threads: int) -> None:
+def _start_worker(threads: int, owner: int) -> None:
+    """A RunPool worker's set-up: its thread count, and a watch on the process that made the pool (the
+    notebook's kernel). A worker blocked on the pool's queue would never notice that process die (the
+    workers hold the queue's other end themselves), so a killed or restarted kernel would leave them
+    running; the watch ends the worker, mid-job too, within half a second of its owner."""
+    import threading
+    import time
+
     torch.set_num_threads(threads)
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            try:
+                os.kill(owner, 0)  # signal 0: only asks whether the process exists
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:  # exists, under another user
+                pass
+
+    threading.Thread(target=watch, name="labkit-runpool-owner-watch", daemon=True).start()
 
 
 class _Deferred:
@@ -320,7 +339,7 @@ class RunPool:
         else:
             context = multiprocessing.get_context("spawn")
         self._executor = concurrent.futures.ProcessPoolExecutor(
-            self.workers, mp_context=context, initializer=_start_worker, initargs=(1,))
+            self.workers, mp_context=context, initializer=_start_worker, initargs=(1, os.getpid()))
 
     def submit(self, fn, *args, **kwargs):
         if not callable(fn):

@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -196,3 +197,31 @@ def test_run_pool_refuses_bad_worker_counts(bad):
 def test_run_pool_refuses_what_it_cannot_call():
     with pytest.raises(TypeError, match="fn"):
         labkit.RunPool(workers=1).submit("finetune_run")
+
+
+def test_run_pool_workers_end_with_a_killed_notebook(tmp_path):
+    """A kernel killed in the middle of a run (a learner's restart) takes its workers with it, mid-job."""
+    psutil = pytest.importorskip("psutil")
+    script = tmp_path / "killed.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "import labkit\n"
+        "if __name__ == '__main__':\n"
+        "    pool = labkit.RunPool(workers=2, device='cpu')\n"
+        "    jobs = [pool.submit(time.sleep, 60) for _ in range(2)]\n"
+        "    time.sleep(3)\n"
+        "    print(*(p.pid for p in __import__('psutil').Process().children(recursive=True)), flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    output = tmp_path / "pids.txt"
+    with output.open("w") as out:  # a file, not a pipe: a leftover process would hold a pipe open
+        subprocess.run([sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT, timeout=120,
+                       env=dict(os.environ, LABKIT_DEVICE="cpu"))
+    printed = output.read_text()
+    pids = [int(pid) for pid in printed.split("\n")[0].split() if pid.isdigit()]
+    assert len(pids) >= 3, f"expected the fork server and two workers, got {printed[-500:]!r}"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                                               for pid in pids):
+        time.sleep(0.1)
+    alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"processes {alive} outlived the killed notebook process"
