@@ -83,12 +83,14 @@ test-student: $(VENV)/.installed-test
 test-grade: $(VENV)/.installed-test
 	LABKIT_DEVICE=cpu LABKIT_GRADING_TEST=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -p no:cacheprovider tests/grading
 
-## The notebooks once more under another CPU code path and thread count (CI runs it after `make test`).
+## The notebooks once more under another CPU code path and thread count (CI runs it after `make test`), all but
+## test-load's chapters: test-load runs those on the same code path and thread count, beside two busy processes.
 ## Then, pass or fail, the claims that had the least room on this machine (from build/claims-portable.jsonl).
+PORTABLE_NOTEBOOKS ?= $(filter-out $(LOAD_NOTEBOOKS),$(sort $(wildcard notebooks/[0-9]*.ipynb)))
 test-portable: $(VENV)/.installed-test
 	@mkdir -p build && rm -f build/claims-portable.jsonl
 	LABKIT_DEVICE=cpu LABKIT_CLAIMS_LOG=$(CURDIR)/build/claims-portable.jsonl $(PORTABLE_ENV) \
-		$(BIN)/python -m pytest -p no:cacheprovider $(NBVAL) notebooks; $(call report_margins,build/claims-portable.jsonl)
+		$(BIN)/python -m pytest -p no:cacheprovider $(NBVAL) $(PORTABLE_NOTEBOOKS); $(call report_margins,build/claims-portable.jsonl)
 
 ## The chapters with timing claims under nbval on the portable code path while two busy processes share the cores
 ## (tests/busy.py starts them, ends them with the run, whatever way it ends); then the claims with the least room.
