@@ -32,6 +32,8 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 import torch
 
+from labkit.runtime import check_device
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
@@ -565,6 +567,10 @@ class CacheFlush:
     ``triton.testing.do_bench`` does."""
 
     def __init__(self, cache_bytes: int, device: str | torch.device = "cpu", factor: int = 2):
+        try:
+            device = check_device(device)
+        except RuntimeError as error:  # torch.device's own refusal of a name it does not know
+            raise ValueError(f"device={device!r}: expected 'cpu', 'cuda' or 'cuda:N' ({error})") from None
         self.buffer = torch.empty(cache_flush_bytes(cache_bytes, factor) // 4, dtype=torch.int32, device=device)
 
     def __call__(self) -> None:

@@ -887,6 +887,11 @@ def cuda_stream_reuse(record_stream: bool, nbytes: int = 4 * MiB, busy_cycles: i
     ``record_stream`` it was recorded on the side stream (``Tensor.record_stream``). Returns
     ``reused_while_busy`` (the next request of its size got its address while the side stream was
     still running) and ``reused_after_done`` (after the side stream finished, a request got it)."""
+    if not isinstance(record_stream, bool):
+        raise TypeError(f"record_stream={record_stream!r}: expected True or False")
+    for name, value in (("nbytes", nbytes), ("busy_cycles", busy_cycles)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected a positive integer")
     if not torch.cuda.is_available():
         raise RuntimeError("cuda_stream_reuse needs a CUDA device; CachingAllocatorSimulator shows the same on a CPU")
     torch.cuda.synchronize()

@@ -638,6 +638,11 @@ def smoothquant_search(weight: torch.Tensor, calibration_inputs: torch.Tensor, b
     _check_bits(act_bits)
     if isinstance(grid, bool) or not isinstance(grid, int) or grid < 1:
         raise ValueError(f"grid={grid!r}: expected a positive integer")
+    _check_float_tensor("calibration_inputs", calibration_inputs)
+    _check_float_tensor("weight", weight)
+    if weight.dim() != 2 or calibration_inputs.shape[-1] != weight.shape[1]:
+        raise ValueError(f"calibration_inputs, weight: expected [..., d_in] and [d_out, d_in], got "
+                         f"{tuple(calibration_inputs.shape)} and {tuple(weight.shape)}")
     X = calibration_inputs.detach().reshape(-1, calibration_inputs.shape[-1]).float()
     W = weight.detach().float()
     best = None

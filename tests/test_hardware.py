@@ -238,6 +238,8 @@ def test_cache_flush_bytes_is_twice_the_cache_in_whole_words():
 
 def test_cache_flush_zeroes_a_buffer_of_that_size():
     flush = H.CacheFlush(1 * H.MiB)
+    with pytest.raises(ValueError, match="device"):
+        H.CacheFlush(1 * H.MiB, device="gpu")
     assert flush.buffer.numel() * flush.buffer.element_size() == 2 * H.MiB and flush.buffer.device.type == "cpu"
     flush.buffer.fill_(7)
     flush()

@@ -82,6 +82,20 @@ def test_launch_grid_and_what_each_row_tile_writes():
         torch.testing.assert_close(w["values"], x[rows[0]:rows[1]] @ weight[e].T, **TOL[torch.float32])
     with pytest.raises(TypeError, match="x"):
         tiles_written(torch.ones(3, 4, dtype=torch.int64, device=DEVICE), weight, group_sizes)
+    with pytest.raises(ValueError, match="group_sizes: counts sum to"):
+        tiles_written(x[:-1], weight, group_sizes)
+    with pytest.raises(ValueError, match="weight: expected"):
+        tiles_written(x, weight[:, :, :-1], group_sizes)
+    with pytest.raises(TypeError, match="group_sizes"):
+        launch_grid(group_sizes.float(), N)
+    with pytest.raises(TypeError, match="group_sizes"):
+        launch_grid(sizes, N)
+    with pytest.raises(ValueError, match="group_sizes: counts must be non-negative"):
+        launch_grid(torch.tensor([3, -1]), N)
+    with pytest.raises(ValueError, match="group_sizes: expected shape"):
+        launch_grid(group_sizes[None], N)
+    with pytest.raises(ValueError, match="n_out"):
+        launch_grid(group_sizes, -1)
 
 
 def test_matches_torch_grouped_mm():

@@ -660,3 +660,15 @@ def test_record_stream_defers_reuse_on_cuda(record):
     result = cuda_stream_reuse(record)
     assert result["reused_while_busy"] is (not record)
     assert result["reused_after_done"]
+
+
+def test_cuda_stream_reuse_refuses_bad_arguments_before_asking_for_cuda():
+    from labkit.memory import cuda_stream_reuse
+
+    with pytest.raises(TypeError, match="record_stream"):
+        cuda_stream_reuse("yes")
+    with pytest.raises(ValueError, match="nbytes"):
+        cuda_stream_reuse(True, nbytes=0)
+    with pytest.raises(ValueError, match="busy_cycles"):
+        cuda_stream_reuse(True, busy_cycles=1.5)
+

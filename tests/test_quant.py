@@ -422,6 +422,10 @@ def test_smoothquant_search_beats_no_smoothing_and_prefers_the_middle_with_outli
     assert w8a8_error(s) < 0.6 * w8a8_error(torch.ones(32))
     with pytest.raises(ValueError, match="grid"):
         Q.smoothquant_search(weight, x, grid=0)
+    with pytest.raises(ValueError, match="calibration_inputs, weight"):
+        Q.smoothquant_search(weight, x[..., :-1])
+    with pytest.raises(TypeError, match="calibration_inputs"):
+        Q.smoothquant_search(weight, x.to(torch.int32))
     with pytest.raises(ValueError, match="bits"):
         Q.smoothquant_search(weight, x, act_bits=1)
 

@@ -143,10 +143,50 @@ def _grid(num_row_tiles: int, C: int, settings: dict) -> tuple[int, int]:
     return num_row_tiles, triton.cdiv(C, settings["BLOCK_N"])
 
 
+def _check_group_sizes(group_sizes, experts: int | None = None, values: bool = True) -> None:
+    """``group_sizes``: an int32/int64 ``[E]`` tensor of non-negative rows per expert (``E = experts`` if given;
+    the counts' signs checked only with ``values``, which reads them back from the device)."""
+    if not isinstance(group_sizes, torch.Tensor):
+        raise TypeError(f"group_sizes: expected a torch.Tensor of rows per expert, got {type(group_sizes).__name__}")
+    if group_sizes.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"group_sizes: expected an int32 or int64 tensor, got {group_sizes.dtype}")
+    if group_sizes.dim() != 1 or (experts is not None and group_sizes.shape[0] != experts):
+        expected = f"({experts},), one count per expert of weight" if experts is not None else "[E], one count per expert"
+        raise ValueError(f"group_sizes: expected shape {expected}, got {tuple(group_sizes.shape)}")
+    if values and len(group_sizes) and int(group_sizes.min()) < 0:
+        raise ValueError(f"group_sizes: counts must be non-negative, got {group_sizes.tolist()}")
+
+
+def _check_grouped_inputs(x, weight, group_sizes) -> None:
+    """The forward's inputs, as :func:`grouped_matmul` documents them."""
+    check_kernel_tensor("x", x)
+    check_kernel_tensor("weight", weight)
+    if x.dim() != 2:
+        raise ValueError(f"x: expected [M, K] rows sorted by expert, got shape {tuple(x.shape)}")
+    if weight.dim() != 3 or weight.shape[2] != x.shape[1]:
+        raise ValueError(f"weight: expected [E, N, K={x.shape[1]}] (one [d_out, d_in] matrix per expert), got shape {tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"weight: expected x's dtype {x.dtype}, got {weight.dtype}")
+    if weight.shape[0] == 0:
+        raise ValueError("weight: expected at least one expert, got E=0")
+    _check_group_sizes(group_sizes, weight.shape[0], values=False)
+    for name, t in (("weight", weight), ("group_sizes", group_sizes)):
+        if t.device != x.device:
+            raise ValueError(f"{name}: must be on x's device {x.device}, got {t.device}")
+    total, smallest = (int(v) for v in torch.stack([group_sizes.sum(), group_sizes.min()]).tolist())  # one host sync
+    if smallest < 0:
+        raise ValueError(f"group_sizes: counts must be non-negative, got {group_sizes.tolist()}")
+    if total != x.shape[0]:
+        raise ValueError(f"group_sizes: counts sum to {total}, but x has {x.shape[0]} rows (every row belongs to one expert)")
+
+
 def launch_grid(group_sizes: torch.Tensor, n_out: int, settings: dict | None = None) -> tuple[int, int]:
     """The forward launch's grid for ``group_sizes`` and ``n_out`` output columns: ``(row tiles of
     the tile map, column tiles)``, program ``(t, j)`` computing row tile ``t``, columns
     ``j * BLOCK_N ...``; ``settings`` as :func:`launch_settings` gives them (its default)."""
+    _check_group_sizes(group_sizes)
+    if not isinstance(n_out, int) or isinstance(n_out, bool) or n_out < 0:
+        raise ValueError(f"n_out: expected a non-negative integer number of output columns, got {n_out!r}")
     settings = settings or launch_settings()
     return _grid(len(tile_map(group_sizes, settings["BLOCK_M"])[0]), n_out, settings)
 
@@ -222,11 +262,12 @@ def tiles_written(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tens
     was written; ``None`` if nothing), ``contiguous`` (the written cells form that rectangle
     exactly) and ``values``, the written block. For teaching and tests: one launch per tile.
     ``settings`` as :func:`launch_settings` gives them (its default); ``x`` is floating point."""
-    if not x.is_floating_point():
-        raise TypeError(f"x: expected a floating-point tensor, got {x.dtype}")
+    _check_group_sizes(group_sizes, values=False)
+    _check_grouped_inputs(x, weight, group_sizes.to(x.device) if isinstance(x, torch.Tensor) else group_sizes)
+    group_sizes = group_sizes.to(x.device)
     settings = settings or launch_settings()
     x_rows = as_rows(x)
-    tile_expert, tile_row, segment_start, segment_end = tile_map(group_sizes.to(x.device), settings["BLOCK_M"])
+    tile_expert, tile_row, segment_start, segment_end = tile_map(group_sizes, settings["BLOCK_M"])
     _, N, K = weight.shape
     strides = (weight.stride(0), weight.stride(2), weight.stride(1))
     written = []
@@ -253,29 +294,5 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Ten
     dtype (any strides); ``group_sizes``: int32/int64 ``[E]``, rows per expert, non-negative,
     summing to ``M`` (zeros allowed). Returns ``[M, N]`` in ``x.dtype`` (fp32 accumulation).
     """
-    check_kernel_tensor("x", x)
-    check_kernel_tensor("weight", weight)
-    if not isinstance(group_sizes, torch.Tensor):
-        raise TypeError(f"group_sizes: expected a torch.Tensor of rows per expert, got {type(group_sizes).__name__}")
-    if group_sizes.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"group_sizes: expected an int32 or int64 tensor, got {group_sizes.dtype}")
-    if x.dim() != 2:
-        raise ValueError(f"x: expected [M, K] rows sorted by expert, got shape {tuple(x.shape)}")
-    if weight.dim() != 3 or weight.shape[2] != x.shape[1]:
-        raise ValueError(f"weight: expected [E, N, K={x.shape[1]}] (one [d_out, d_in] matrix per expert), got shape {tuple(weight.shape)}")
-    if weight.dtype != x.dtype:
-        raise TypeError(f"weight: expected x's dtype {x.dtype}, got {weight.dtype}")
-    E = weight.shape[0]
-    if E == 0:
-        raise ValueError("weight: expected at least one expert, got E=0")
-    if group_sizes.dim() != 1 or group_sizes.shape[0] != E:
-        raise ValueError(f"group_sizes: expected shape ({E},), one count per expert of weight, got {tuple(group_sizes.shape)}")
-    for name, t in (("weight", weight), ("group_sizes", group_sizes)):
-        if t.device != x.device:
-            raise ValueError(f"{name}: must be on x's device {x.device}, got {t.device}")
-    total, smallest = (int(v) for v in torch.stack([group_sizes.sum(), group_sizes.min()]).tolist())  # one host sync
-    if smallest < 0:
-        raise ValueError(f"group_sizes: counts must be non-negative, got {group_sizes.tolist()}")
-    if total != x.shape[0]:
-        raise ValueError(f"group_sizes: counts sum to {total}, but x has {x.shape[0]} rows (every row belongs to one expert)")
+    _check_grouped_inputs(x, weight, group_sizes)
     return GroupedMatmulFunction.apply(x, weight, group_sizes)
