@@ -308,33 +308,37 @@ class RunPool:
 
     With one worker (one usable core, or ``workers=1``) or on a GPU, which runs one job fast and
     whose memory the jobs would have to share, no process is started: each job runs here, when its
-    result is first asked for. ``shutdown()`` (or leaving a ``with`` block) ends the workers; they
+    result is first asked for. ``preload``: the modules the jobs come from, imported once for all the
+    workers (labkit always is). ``shutdown()`` (or leaving a ``with`` block) ends the workers; they
     also end with the notebook's kernel."""
 
-    def __init__(self, workers: int | None = None, device: str | torch.device | None = None, max_workers: int = 4):
+    def __init__(self, workers: int | None = None, device: str | torch.device | None = None, max_workers: int = 4,
+                 preload=("labkit",)):
         if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
             raise ValueError(f"workers={workers!r}: expected a positive integer, or None for one per usable core")
         if not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1:
             raise ValueError(f"max_workers={max_workers!r}: expected a positive integer")
         on_cuda = get_device(device).type != "cpu"
         self.workers = 1 if on_cuda else (workers or min(usable_cores(), max_workers))
+        if isinstance(preload, str) or not all(isinstance(name, str) for name in preload):
+            raise TypeError(f"preload={preload!r}: expected module names, e.g. ('labkit.lora',)")
         self._executor, self._closed = None, False
         if self.workers > 1:
-            self._start()
+            self._start(["labkit", *preload])
 
-    def _start(self) -> None:
+    def _start(self, preload: list[str]) -> None:
         import concurrent.futures
         import multiprocessing
 
         # Not fork: a forked copy of a kernel that already runs threads can deadlock. A fork server,
-        # started now, imports labkit (and torch: seconds) once while the notebook goes on, and forks
-        # the workers from itself on the first submit; without one (Windows) each worker is spawned
-        # and imports them itself.
+        # started now, imports labkit and the modules in ``preload`` (with torch: seconds) once while
+        # the notebook goes on, and forks the workers from itself on the first submit; without one
+        # (Windows) each worker is spawned and imports them itself.
         if "forkserver" in multiprocessing.get_all_start_methods():
             from multiprocessing import forkserver
 
             context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload(["labkit"])
+            context.set_forkserver_preload(list(dict.fromkeys(preload)))
             forkserver.ensure_running()
         else:
             context = multiprocessing.get_context("spawn")

@@ -194,6 +194,12 @@ def test_run_pool_refuses_bad_worker_counts(bad):
         labkit.RunPool(**bad)
 
 
+def test_run_pool_refuses_a_preload_that_is_not_module_names():
+    for bad in ("labkit.lora", [labkit]):
+        with pytest.raises(TypeError, match="preload"):
+            labkit.RunPool(workers=1, preload=bad)
+
+
 def test_run_pool_refuses_what_it_cannot_call():
     with pytest.raises(TypeError, match="fn"):
         labkit.RunPool(workers=1).submit("finetune_run")
