@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import pickle
 import platform
 import random
 import sys
@@ -250,49 +251,106 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _start_worker(threads: int, owner: int) -> None:
-    """A RunPool worker's set-up: its thread count, and a watch on the process that made the pool (the
-    notebook's kernel). A worker blocked on the pool's queue would never notice that process die (the
-    workers hold the queue's other end themselves), so a killed or restarted kernel would leave them
-    running; the watch ends the worker, mid-job too, within half a second of its owner."""
+def _start_worker(owner: int) -> None:
+    """A RunPool worker's set-up. One thread. Ctrl-C ignored: Jupyter's Interrupt signals the kernel's
+    whole process group, workers included, and is meant for the kernel (its wait ends; the runs go on).
+    And a watch on the process that made the pool (the notebook's kernel): a worker blocked on the
+    pool's queue never notices that process die (the workers hold the queue's other end themselves),
+    so a killed or restarted kernel would leave them running; the watch ends the worker, mid-job too."""
+    import signal
     import threading
+
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with, args=(owner,), name="labkit-runpool-owner-watch", daemon=True).start()
+
+
+def _exit_with(owner: int) -> None:
+    """End this process as soon as process ``owner`` has ended."""
+    if os.name == "nt":
+        import _winapi
+
+        try:
+            handle = _winapi.OpenProcess(0x00100000, False, owner)  # SYNCHRONIZE: a handle to wait on
+            _winapi.WaitForSingleObject(handle, _winapi.INFINITE)
+        finally:
+            os._exit(1)
+    if hasattr(os, "pidfd_open"):  # Linux: readable once the process has ended (zombie or not), whatever reuses its pid
+        import select
+
+        try:
+            handle = os.pidfd_open(owner)
+        except ProcessLookupError:
+            os._exit(1)
+        except OSError:  # a kernel without pidfds: ask as below
+            pass
+        else:
+            select.select([handle], [], [])
+            os._exit(1)
     import time
 
-    torch.set_num_threads(threads)
-
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            try:
-                os.kill(owner, 0)  # signal 0: only asks whether the process exists
-            except ProcessLookupError:
-                os._exit(1)
-            except PermissionError:  # exists, under another user
-                pass
-
-    threading.Thread(target=watch, name="labkit-runpool-owner-watch", daemon=True).start()
+    while True:
+        time.sleep(0.5)
+        try:
+            os.kill(owner, 0)  # signal 0: only asks whether the process exists
+        except ProcessLookupError:
+            os._exit(1)
+        except PermissionError:  # it exists, under another user
+            pass
 
 
-class _Deferred:
-    """A job run in this process the first time its result is asked for (a ``Future``'s ``result``/``done``)."""
+def _call(payload: bytes) -> bytes:
+    """Run a job from the snapshot :meth:`RunPool.submit` took, the way a worker runs it: on one thread, under the
+    ``LABKIT_SEED`` it was submitted with, leaving the caller's torch random state as it was; its result pickled."""
+    fn, args, kwargs, seed_shift = pickle.loads(payload)
+    threads, shift_now = torch.get_num_threads(), os.environ.get(SEED_ENV)
+    try:
+        torch.set_num_threads(1)
+        _set_env(SEED_ENV, seed_shift)
+        with torch.random.fork_rng():
+            return pickle.dumps(fn(*args, **kwargs))
+    finally:
+        torch.set_num_threads(threads)
+        _set_env(SEED_ENV, shift_now)
 
-    def __init__(self, fn, args, kwargs):
-        self._job, self._outcome = (fn, args, kwargs), None
 
-    def result(self, timeout=None):
+def _set_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+class RunJob:
+    """What :meth:`RunPool.submit` returns: ``result()`` waits for the job and returns what its function returned
+    (a copy, made by pickling), or raises what it raised; ``done()`` says whether it has finished."""
+
+    def __init__(self, pool: "RunPool", payload: bytes, future=None):
+        self._pool, self._payload, self._future, self._outcome = pool, payload, future, None
+
+    def done(self) -> bool:
+        return self._outcome is not None or (self._future is not None and self._future.done())
+
+    def result(self, timeout: float | None = None):
+        import concurrent.futures
+
         if self._outcome is None:
-            fn, args, kwargs = self._job
             try:
-                self._outcome = (True, fn(*args, **kwargs))
-            except Exception as error:  # noqa: BLE001 - re-raised to every caller, as a Future does
+                if self._future is not None:
+                    raw = self._future.result(timeout)
+                elif self._pool.closed:
+                    raise concurrent.futures.CancelledError("the RunPool was shut down before this job ran")
+                else:  # the pool runs its jobs in this process: now, once
+                    raw = _call(self._payload)
+                self._outcome = (True, pickle.loads(raw))
+            except concurrent.futures.TimeoutError:
+                raise
+            except Exception as error:  # noqa: BLE001 - kept and raised to every caller, as a Future does
                 self._outcome = (False, error)
         ok, value = self._outcome
         if not ok:
             raise value
         return value
-
-    def done(self) -> bool:
-        return self._outcome is not None
 
 
 class RunPool:
@@ -300,29 +358,38 @@ class RunPool:
 
     At the chapters' sizes one run cannot use a second core (:func:`choose_threads`: more threads are
     no faster), but two runs can use two: each worker process runs one job at a time on one thread, so
-    ``workers`` jobs run at once. ``submit(fn, *args, **kwargs)`` returns at once with a future;
-    ``future.result()`` waits for the job and returns what ``fn`` returned (or raises what it raised).
-    The results are the ones the same calls give in this process with one thread: every job seeds
-    itself, and its arguments and result are copied between processes (``fn`` must be importable:
-    a labkit function, not one defined in the notebook).
+    ``workers`` jobs run at once (one per usable core, at most ``max_workers``). ``submit(fn, *args,
+    **kwargs)`` takes a snapshot of the call (pickled: later changes to the arguments do not reach the
+    job) and returns a :class:`RunJob` at once; ``job.result()`` waits for it. The results are the ones
+    the same call gives in this process on one thread: each job runs on one thread, under the
+    ``LABKIT_SEED`` of its submission, seeding itself (``fn`` must be importable, a labkit function,
+    not one defined in the notebook).
 
-    With one worker (one usable core, or ``workers=1``) or on a GPU, which runs one job fast and
-    whose memory the jobs would have to share, no process is started: each job runs here, when its
-    result is first asked for. ``preload``: the modules the jobs come from, imported once for all the
-    workers (labkit always is). ``shutdown()`` (or leaving a ``with`` block) ends the workers; they
-    also end with the notebook's kernel."""
+    With one worker (one usable core, or ``workers=1``) or on a GPU, which runs one job fast and whose
+    memory the jobs would have to share, no process is started: each job runs here, the same way (one
+    thread, this process's torch random state left as it was), when its result is first asked for.
+    ``preload``: the modules the jobs come from, imported once for all the workers (labkit always is;
+    the fork server that imports them is shared by the kernel's pools, and the first pool's list is the
+    one it keeps). ``shutdown()`` (or leaving a ``with`` block) ends the workers and cancels the jobs
+    not started; the workers also end with the notebook's kernel."""
 
     def __init__(self, workers: int | None = None, device: str | torch.device | None = None, max_workers: int = 4,
-                 preload=("labkit",)):
+                 preload=()):
+        import importlib.util
+
         if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
             raise ValueError(f"workers={workers!r}: expected a positive integer, or None for one per usable core")
         if not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1:
             raise ValueError(f"max_workers={max_workers!r}: expected a positive integer")
-        on_cuda = get_device(device).type != "cpu"
+        if isinstance(preload, str) or not isinstance(preload, (list, tuple)) or not all(isinstance(n, str) for n in preload):
+            raise TypeError(f"preload={preload!r}: expected a list of module names, e.g. ['labkit.lora']")
+        for name in preload:
+            if importlib.util.find_spec(name) is None:
+                raise ValueError(f"preload: no module named {name!r}")
+        chosen = get_device(device) if device is not None else _device if _device is not None else get_device()
+        on_cuda = chosen.type != "cpu"  # device=None: the one setup chose
         self.workers = 1 if on_cuda else (workers or min(usable_cores(), max_workers))
-        if isinstance(preload, str) or not all(isinstance(name, str) for name in preload):
-            raise TypeError(f"preload={preload!r}: expected module names, e.g. ('labkit.lora',)")
-        self._executor, self._closed = None, False
+        self.closed, self._executor = False, None
         if self.workers > 1:
             self._start(["labkit", *preload])
 
@@ -343,19 +410,25 @@ class RunPool:
         else:
             context = multiprocessing.get_context("spawn")
         self._executor = concurrent.futures.ProcessPoolExecutor(
-            self.workers, mp_context=context, initializer=_start_worker, initargs=(1, os.getpid()))
+            self.workers, mp_context=context, initializer=_start_worker, initargs=(os.getpid(),))
 
-    def submit(self, fn, *args, **kwargs):
+    def submit(self, fn, /, *args, **kwargs) -> RunJob:
         if not callable(fn):
             raise TypeError(f"fn: expected a function, got {type(fn).__name__}")
-        if self._closed:
+        if getattr(fn, "__module__", None) == "__main__" or "<locals>" in getattr(fn, "__qualname__", ""):
+            raise TypeError(f"fn: {getattr(fn, '__qualname__', fn)!r} is defined in the notebook (or inside a function): "
+                            "a worker cannot import it; submit a function of a module, e.g. labkit.lora.finetune_run")
+        if self.closed:
             raise RuntimeError("submit: this RunPool was shut down; make a new one")
-        if self._executor is None:
-            return _Deferred(fn, args, kwargs)
-        return self._executor.submit(fn, *args, **kwargs)
+        try:
+            payload = pickle.dumps((fn, args, kwargs, os.environ.get(SEED_ENV)))
+        except (pickle.PicklingError, TypeError, AttributeError) as error:
+            raise TypeError(f"fn, args: the call cannot be copied to a worker process ({error})") from None
+        future = None if self._executor is None else self._executor.submit(_call, payload)
+        return RunJob(self, payload, future)
 
     def shutdown(self) -> None:
-        self._closed = True
+        self.closed = True
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
@@ -368,4 +441,4 @@ class RunPool:
 
     def __repr__(self) -> str:
         where = f"{self.workers} worker processes, one thread each" if self.workers > 1 else "in this process"
-        return f"RunPool({where})"
+        return f"RunPool({where}{', shut down' if self.closed else ''})"

@@ -1,3 +1,4 @@
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -151,41 +152,84 @@ def test_bad_thread_counts_are_refused(bad):
         runtime.choose_threads([bad])
 
 
-def _threads_and_seeded_draw(seed: int) -> tuple[int, list[float]]:
-    """A job for RunPool: the thread count its worker runs with, and a draw that depends only on ``seed``."""
+def _threads_seed_and_draw(seed: int) -> tuple[int, str | None, list[float]]:
+    """A job for RunPool: its thread count, the LABKIT_SEED it sees, and a draw that depends only on ``seed``."""
     torch.manual_seed(seed)
-    return torch.get_num_threads(), torch.randn(3).tolist()
+    return torch.get_num_threads(), os.environ.get("LABKIT_SEED"), torch.randn(3).tolist()
 
 
 def _fails(message: str):
     raise KeyError(message)
 
 
-def test_run_pool_returns_what_the_same_calls_return_here_on_one_thread_per_worker():
+def _first_row(tensor: torch.Tensor) -> list[float]:
+    return tensor[0].tolist()
+
+
+def test_run_pool_jobs_run_as_here_on_one_thread_under_the_seed_of_their_submission(monkeypatch):
+    torch.set_num_threads(2)
+    monkeypatch.setenv("LABKIT_SEED", "3")
     with labkit.RunPool(workers=2, device="cpu") as pool:
-        jobs = [pool.submit(_threads_and_seeded_draw, seed) for seed in (0, 1, 2)]
+        jobs = [pool.submit(_threads_seed_and_draw, seed) for seed in (0, 1, 2)]
+        monkeypatch.setenv("LABKIT_SEED", "5")  # after the submission: the jobs keep 3
         failing = pool.submit(_fails, "from the worker")
         results = [job.result() for job in jobs]
         with pytest.raises(KeyError, match="from the worker"):
             failing.result()
-    assert [threads for threads, _ in results] == [1, 1, 1]
-    for seed, (_, draw) in zip((0, 1, 2), results):
-        assert draw == _threads_and_seeded_draw(seed)[1]
+    for seed, (threads, shift, draw) in zip((0, 1, 2), results):
+        assert (threads, shift) == (1, "3") and draw == _threads_seed_and_draw(seed)[2]
     with pytest.raises(RuntimeError, match="shut down"):
-        pool.submit(_threads_and_seeded_draw, 0)
+        pool.submit(_threads_seed_and_draw, 0)
 
 
-def test_run_pool_with_one_worker_runs_each_job_here_when_its_result_is_asked_for():
-    calls = []
+def test_run_pool_gives_a_training_run_the_result_it_has_here_on_one_thread():
+    from labkit import lora as L
+    from labkit.model import ModelConfig, TransformerLM
+
+    torch.manual_seed(0)
+    base = TransformerLM(ModelConfig(vocab_size=15, context_length=16, d_model=32, num_layers=1, num_heads=2, d_ff=64))
+    task = L.subtraction_task()
+    call = dict(lr=1e-2, steps=3, batch_size=4)
+    with labkit.RunPool(workers=2, device="cpu") as pool:
+        job = pool.submit(L.finetune_run, base, task, task, "all-linear", 2, 4, **call)
+        model, row = job.result()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        here_model, here_row = L.finetune_run(base, task, task, "all-linear", 2, 4, **call)
+    finally:
+        torch.set_num_threads(threads)
+    assert row["final_loss"] == here_row["final_loss"] and row["new"] == here_row["new"]
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), here_model.state_dict().values()))
+
+
+def test_run_pool_takes_a_snapshot_of_the_arguments_when_a_job_is_submitted():
+    for workers in (1, 2):
+        with labkit.RunPool(workers=workers, device="cpu") as pool:
+            x = torch.zeros(2, 3)
+            job = pool.submit(_first_row, x)
+            x.fill_(7)  # after the submission: the job still reads zeros
+            assert job.result() == [0.0, 0.0, 0.0]
+
+
+def test_run_pool_with_one_worker_runs_each_job_here_once_when_its_result_is_asked_for():
     pool = labkit.RunPool(workers=1)
-    job = pool.submit(calls.append, "ran")
-    assert calls == [] and not job.done()  # nothing runs before the result is asked for
-    assert job.result() is None and job.result() is None and calls == ["ran"]  # and then once
+    torch.manual_seed(11)
+    job = pool.submit(_threads_seed_and_draw, 0)
+    assert not job.done()
+    state = torch.random.get_rng_state()
+    first = job.result()
+    assert job.done() and job.result() == first and first[0] == 1
+    assert torch.equal(torch.random.get_rng_state(), state)  # the job's manual_seed left this process's state alone
     failing = pool.submit(_fails, "here")
     for _ in range(2):
         with pytest.raises(KeyError, match="here"):
             failing.result()
-    assert "in this process" in repr(pool)
+    never_ran = pool.submit(_fails, "not run")
+    pool.shutdown()
+    with pytest.raises(concurrent.futures.CancelledError):
+        never_ran.result()
+    assert "in this process" in repr(pool) and "shut down" in repr(pool)
 
 
 @pytest.mark.parametrize("bad", [dict(workers=0), dict(workers=1.5), dict(workers=True), dict(max_workers=0)])
@@ -195,14 +239,25 @@ def test_run_pool_refuses_bad_worker_counts(bad):
 
 
 def test_run_pool_refuses_a_preload_that_is_not_module_names():
-    for bad in ("labkit.lora", [labkit]):
+    for bad in ("labkit.lora", [labkit], None, (name for name in ["labkit.lora"])):
         with pytest.raises(TypeError, match="preload"):
             labkit.RunPool(workers=1, preload=bad)
+    with pytest.raises(ValueError, match="preload: no module named 'labkit.lroa'"):
+        labkit.RunPool(workers=1, preload=["labkit.lroa"])
 
 
-def test_run_pool_refuses_what_it_cannot_call():
+def test_run_pool_refuses_what_a_worker_could_not_run():
+    pool = labkit.RunPool(workers=1)
     with pytest.raises(TypeError, match="fn"):
-        labkit.RunPool(workers=1).submit("finetune_run")
+        pool.submit("finetune_run")
+    with pytest.raises(TypeError, match="fn: .* inside a function"):
+        pool.submit(lambda: 1)
+
+    def defined_here():
+        return 1
+
+    with pytest.raises(TypeError, match="fn: .*defined_here"):
+        pool.submit(defined_here)
 
 
 def test_run_pool_workers_end_with_a_killed_notebook(tmp_path):

@@ -105,7 +105,9 @@ def plot_rank_explorer(data: dict, rows: list[dict] | None = None, title: str | 
         axes[0][2].set_title("measured on the adder (subtraction)", fontsize=9)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    # fixed margins instead of tight_layout, which draws every label once more to measure it: the widget
+    # redraws on every change of a control
+    fig.subplots_adjust(left=0.18 / panels, right=0.99, bottom=0.2, top=0.82 if title else 0.9, wspace=0.28)
     return fig
 
 
