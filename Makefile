@@ -75,22 +75,34 @@ lab: $(VENV)/.installed-lab $(LAB_OVERRIDES)
 test: $(VENV)/.installed-test $(LAB_OVERRIDES)
 	LABKIT_DEVICE=cpu OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(JOBS) --dist loadfile $(NBVAL) tests notebooks
 
-## Every chapter's student version run top to bottom: only the grader cells may fail, with "not answered yet".
+## Every chapter's student version under nbval, with no exercise answered, on test-portable's code path and thread
+## count: each grader cell must fail with "not answered yet", and every other cell must print what the chapter's
+## stored run printed (so nothing after an exercise depends on the learner's answer). With test-load, it is CI's
+## second pass over the chapters' outputs. $(STUDENT_RUNS) holds what nbval compares (labkit.student --unanswered-run).
+STUDENT_RUNS := build/student-runs
 test-student: $(VENV)/.installed-test
-	LABKIT_DEVICE=cpu LABKIT_STUDENT_TEST=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -p no:cacheprovider -n $(JOBS) tests/student
+	@rm -rf $(STUDENT_RUNS) build/claims-student.jsonl && mkdir -p build
+	$(BIN)/python -m labkit.student --unanswered-run --out $(STUDENT_RUNS) > /dev/null
+	LABKIT_DEVICE=cpu LABKIT_CLAIMS_LOG=$(CURDIR)/build/claims-student.jsonl $(PORTABLE_ENV) \
+		$(BIN)/python -m pytest -p no:cacheprovider -n $(JOBS) --dist loadfile $(NBVAL) $(STUDENT_RUNS); \
+		$(call report_margins,build/claims-student.jsonl)
 
 ## Classroom grading: a class of honest and forged hand-ins, each must grade as expected; every chapter with the teacher's answers must pass.
+## The attack suite grades its class one notebook at a time (a forged file write must not be blamed on another
+## submission) while the teacher's answers are graded beside it: two test files, one per pytest worker.
 test-grade: $(VENV)/.installed-test
-	LABKIT_DEVICE=cpu LABKIT_GRADING_TEST=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -p no:cacheprovider tests/grading
+	LABKIT_DEVICE=cpu LABKIT_GRADING_TEST=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -p no:cacheprovider -n 2 --dist loadfile tests/grading
 
 ## The notebooks once more under another CPU code path and thread count (CI runs it after `make test`), all but
 ## test-load's chapters: test-load runs those on the same code path and thread count, beside two busy processes.
+## JOBS chapters at a time (none of these asserts a time: their two threads reduce in the same order either way).
 ## Then, pass or fail, the claims that had the least room on this machine (from build/claims-portable.jsonl).
 PORTABLE_NOTEBOOKS ?= $(filter-out $(LOAD_NOTEBOOKS),$(sort $(wildcard notebooks/[0-9]*.ipynb)))
 test-portable: $(VENV)/.installed-test
 	@mkdir -p build && rm -f build/claims-portable.jsonl
 	LABKIT_DEVICE=cpu LABKIT_CLAIMS_LOG=$(CURDIR)/build/claims-portable.jsonl $(PORTABLE_ENV) \
-		$(BIN)/python -m pytest -p no:cacheprovider $(NBVAL) $(PORTABLE_NOTEBOOKS); $(call report_margins,build/claims-portable.jsonl)
+		$(BIN)/python -m pytest -p no:cacheprovider -n $(JOBS) --dist loadfile $(NBVAL) $(PORTABLE_NOTEBOOKS); \
+		$(call report_margins,build/claims-portable.jsonl)
 
 ## The chapters with timing claims under nbval on the portable code path while two busy processes share the cores
 ## (tests/busy.py starts them, ends them with the run, whatever way it ends); then the claims with the least room.

@@ -300,6 +300,34 @@ def with_solutions(student: dict, chapter: dict) -> dict:
     return handed_in
 
 
+def unanswered_run(notebook: dict, chapter: str) -> dict:
+    """The student version of ``notebook`` as a run of it with no exercise answered must look, for nbval to
+    compare (``make test-student``). Every code cell the student version keeps unchanged carries the chapter's
+    stored outputs: it must print what the teacher's run printed, so nothing after an exercise may depend on
+    the learner's answer. The learner's cells are left unrun (nbval runs them and compares nothing). Each
+    grader cell is tagged ``raises-exception`` and holds the error an unanswered grader gives, a
+    ``CheckFailed`` saying :data:`NOT_ANSWERED` (tests/nbval_sanitize.cfg reduces the message to those words,
+    so a grader that passes, or fails for another reason, is a mismatch)."""
+    run, _ = student_notebook(notebook, chapter)
+    stored = {cell.get("id"): cell for cell in notebook["cells"] if cell.get("cell_type") == "code"}
+    for cell in run["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        if cell["metadata"].get("nbgrader", {}).get("grade"):
+            tags = cell["metadata"].setdefault("tags", [])
+            tags.append("raises-exception")
+            cell["execution_count"] = 1
+            cell["outputs"] = [{"output_type": "error", "ename": "CheckFailed", "evalue": NOT_ANSWERED, "traceback": []}]
+            continue
+        teacher = stored.get(cell.get("id"))
+        if teacher is not None and cell_source(teacher) == cell_source(cell):
+            cell["outputs"] = deepcopy(teacher["outputs"])
+            cell["execution_count"] = teacher["execution_count"]
+    if "widgets" in notebook["metadata"]:  # the widget state of the outputs kept
+        run["metadata"]["widgets"] = deepcopy(notebook["metadata"]["widgets"])
+    return run
+
+
 def make_student_notebook(src: Path, dst: Path) -> int:
     """Write the student version of notebook ``src`` to ``dst``; return the number of solutions removed."""
     import nbformat
@@ -318,11 +346,21 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m labkit.student", description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="*", type=Path, help="default: notebooks/NN_*.ipynb")
     parser.add_argument("--out", type=Path, default=Path("student"), help="output folder (default: student/)")
+    parser.add_argument("--unanswered-run", action="store_true",
+                        help="write what a run of each student version with no answer must show, for nbval (make test-student)")
     args = parser.parse_args(argv)
     paths = args.notebooks or chapter_paths(Path("notebooks"))
     if not paths:
         parser.error("no notebooks given and none found in notebooks/")
     for path in paths:
+        if args.unanswered_run:
+            import nbformat
+
+            run = unanswered_run(nbformat.read(path, as_version=4), path.stem)
+            args.out.mkdir(parents=True, exist_ok=True)
+            nbformat.write(nbformat.from_dict(run), args.out / path.name)
+            print(f"{args.out / path.name}: the student version with the chapter's outputs")
+            continue
         removed = make_student_notebook(path, args.out / path.name)
         print(f"{args.out / path.name}: {removed} solution(s) removed")
 

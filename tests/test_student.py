@@ -1,7 +1,7 @@
 """Student versions: skeletons in place of solutions, nbgrader metadata, and every chapter still runs.
 
-The slow test that executes each chapter's student version top to bottom is in tests/student/ (``make
-test-student``).
+``make test-student`` runs each chapter's student version under nbval against :func:`unanswered_run`'s
+expectations (tested here).
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import pytest
 
 import labkit.checks
 from labkit.student import (BEGIN, NOT_ANSWERED, POINTS, chapter_paths, exercise_text, make_student_notebook,
-                            placeholder, skeleton, split_cell_magic, strip_solutions, student_notebook)
+                            placeholder, skeleton, split_cell_magic, strip_solutions, student_notebook,
+                            unanswered_run)
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = chapter_paths(ROOT / "notebooks")
@@ -158,3 +159,35 @@ def test_nbgrader_accepts_a_student_version(tmp_path, monkeypatch):
     locked = [c for c in released.cells if c.metadata.get("nbgrader", {}).get("grade")]
     assert [c.metadata.nbgrader.points for c in locked] == [POINTS] * len(exercises)
     assert all(c.metadata.nbgrader.get("checksum") for c in locked)  # nbgrader can now detect edits
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_an_unanswered_run_expects_the_chapters_outputs_and_a_not_answered_grader(path):
+    chapter = nbformat.read(path, as_version=4)
+    stored = {c.get("id"): c for c in chapter.cells if c.cell_type == "code"}
+    run = unanswered_run(chapter, path.stem)
+    kept = unrun = 0
+    for cell in (c for c in run["cells"] if c["cell_type"] == "code"):
+        if cell["metadata"].get("nbgrader", {}).get("grade"):
+            assert "raises-exception" in cell["metadata"]["tags"] and cell["execution_count"] == 1
+            assert cell["outputs"] == [{"output_type": "error", "ename": "CheckFailed", "evalue": NOT_ANSWERED,
+                                        "traceback": []}]
+        elif cell["execution_count"] is None:  # the learner's cells (and a cell that lost its grader calls) run, unread
+            assert not cell["outputs"] and source(cell) != source(stored.get(cell.get("id"), {"source": ""}))
+            unrun += 1
+        else:
+            teacher = stored[cell["id"]]
+            assert source(cell) == source(teacher) and cell["outputs"] == teacher.outputs
+            assert cell["execution_count"] == teacher.execution_count
+            kept += 1
+    assert unrun >= 2 and kept > unrun
+    assert run["metadata"].get("widgets") == chapter.metadata.get("widgets")
+
+
+def test_the_unanswered_run_cli_writes_one_per_chapter(tmp_path):
+    from labkit.student import main
+
+    main([str(NOTEBOOKS[0]), "--unanswered-run", "--out", str(tmp_path)])
+    written = nbformat.read(tmp_path / NOTEBOOKS[0].name, as_version=4)
+    assert any("raises-exception" in c.metadata.get("tags", []) for c in written.cells)
+    assert any(c.get("outputs") for c in written.cells if c.cell_type == "code")
