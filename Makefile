@@ -26,6 +26,8 @@ NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.
 LOAD_NOTEBOOKS ?= notebooks/00_foundations.ipynb notebooks/03_attention_kv_cache.ipynb notebooks/12_serving.ipynb \
                   notebooks/09_hardware_performance.ipynb notebooks/11_tokenization_data.ipynb
 LOAD_SECONDS   ?= 900
+# The other chapters (test-student's and test-portable's).
+OTHER_NOTEBOOKS ?= $(filter-out $(LOAD_NOTEBOOKS),$(sort $(wildcard notebooks/[0-9]*.ipynb)))
 # After a test command (pass or fail, keeping its exit status): the claims with the least headroom in its claims log.
 report_margins = status=$$?; $(BIN)/python tests/claim_spread.py --margins $(1); exit $$status
 
@@ -77,14 +79,15 @@ test: $(VENV)/.installed-test $(LAB_OVERRIDES)
 
 ## Every chapter's student version under nbval, with no exercise answered, on test-portable's code path and thread
 ## count: each grader cell must fail with "not answered yet", and every other cell must print what the chapter's
-## stored run printed (so nothing after an exercise depends on the learner's answer). With test-load, it is CI's
-## second pass over the chapters' outputs. $(STUDENT_RUNS) holds what nbval compares (labkit.student --unanswered-run).
-STUDENT_RUNS := build/student-runs
+## stored run printed (so nothing after an exercise depends on the learner's answer). test-load runs the timing
+## chapters' student versions so, beside two busy processes; this target runs the others, JOBS at a time. Together
+## they are CI's second pass over the chapters' outputs. labkit.student --unanswered-run writes what nbval compares.
+unanswered_runs = rm -rf $(2) && $(BIN)/python -m labkit.student --unanswered-run --out $(2) $(1) > /dev/null
 test-student: $(VENV)/.installed-test
-	@rm -rf $(STUDENT_RUNS) build/claims-student.jsonl && mkdir -p build
-	$(BIN)/python -m labkit.student --unanswered-run --out $(STUDENT_RUNS) > /dev/null
+	@mkdir -p build && rm -f build/claims-student.jsonl
+	$(call unanswered_runs,$(OTHER_NOTEBOOKS),build/student-runs)
 	LABKIT_DEVICE=cpu LABKIT_CLAIMS_LOG=$(CURDIR)/build/claims-student.jsonl $(PORTABLE_ENV) \
-		$(BIN)/python -m pytest -p no:cacheprovider -n $(JOBS) --dist loadfile $(NBVAL) $(STUDENT_RUNS); \
+		$(BIN)/python -m pytest -p no:cacheprovider -n $(JOBS) --dist loadfile $(NBVAL) build/student-runs; \
 		$(call report_margins,build/claims-student.jsonl)
 
 ## Classroom grading: a class of honest and forged hand-ins, each must grade as expected; every chapter with the teacher's answers must pass.
@@ -97,20 +100,21 @@ test-grade: $(VENV)/.installed-test
 ## test-load's chapters: test-load runs those on the same code path and thread count, beside two busy processes.
 ## JOBS chapters at a time (none of these asserts a time: their two threads reduce in the same order either way).
 ## Then, pass or fail, the claims that had the least room on this machine (from build/claims-portable.jsonl).
-PORTABLE_NOTEBOOKS ?= $(filter-out $(LOAD_NOTEBOOKS),$(sort $(wildcard notebooks/[0-9]*.ipynb)))
 test-portable: $(VENV)/.installed-test
 	@mkdir -p build && rm -f build/claims-portable.jsonl
 	LABKIT_DEVICE=cpu LABKIT_CLAIMS_LOG=$(CURDIR)/build/claims-portable.jsonl $(PORTABLE_ENV) \
-		$(BIN)/python -m pytest -p no:cacheprovider -n $(JOBS) --dist loadfile $(NBVAL) $(PORTABLE_NOTEBOOKS); \
+		$(BIN)/python -m pytest -p no:cacheprovider -n $(JOBS) --dist loadfile $(NBVAL) $(OTHER_NOTEBOOKS); \
 		$(call report_margins,build/claims-portable.jsonl)
 
-## The chapters with timing claims under nbval on the portable code path while two busy processes share the cores
+## The chapters with timing claims, as their student versions (see test-student; every cell that asserts a claim
+## is kept there as it is), under nbval on the portable code path while two busy processes share the cores
 ## (tests/busy.py starts them, ends them with the run, whatever way it ends); then the claims with the least room.
 test-load: $(VENV)/.installed-test
 	@mkdir -p build && rm -f build/claims-load.jsonl
+	$(call unanswered_runs,$(LOAD_NOTEBOOKS),build/student-runs-load)
 	LABKIT_DEVICE=cpu LABKIT_CLAIMS_LOG=$(CURDIR)/build/claims-load.jsonl $(PORTABLE_ENV) \
 		$(BIN)/python tests/busy.py --procs 2 --seconds $(LOAD_SECONDS) -- \
-		$(BIN)/python -m pytest -p no:cacheprovider $(NBVAL) $(LOAD_NOTEBOOKS); $(call report_margins,build/claims-load.jsonl)
+		$(BIN)/python -m pytest -p no:cacheprovider $(NBVAL) build/student-runs-load; $(call report_margins,build/claims-load.jsonl)
 
 ## Every chapter in JupyterLab in headless Chromium: Run All, no errors, widgets render and react to a control.
 ## Screenshots go to build/screenshots/, the claims with the least room after it. One chapter: make test-browser PYTEST_ARGS="-k 00_foundations".

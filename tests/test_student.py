@@ -182,6 +182,11 @@ def test_an_unanswered_run_expects_the_chapters_outputs_and_a_not_answered_grade
             kept += 1
     assert unrun >= 2 and kept > unrun
     assert run["metadata"].get("widgets") == chapter.metadata.get("widgets")
+    # make test-load checks the timing chapters' claims in their student versions: every cell that asserts a
+    # claim must run there as it is
+    kept_ids = {c.get("id") for c in run["cells"] if c["cell_type"] == "code" and c["execution_count"] is not None}
+    claims = [c.get("id") for c in chapter.cells if c.cell_type == "code" and "expect(" in source(c)]
+    assert claims and set(claims) <= kept_ids, set(claims) - kept_ids
 
 
 def test_the_unanswered_run_cli_writes_one_per_chapter(tmp_path):

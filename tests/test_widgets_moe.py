@@ -84,3 +84,36 @@ def test_interact_targets_return_nothing_so_nothing_is_displayed_twice():
 
     assert wrapped(1) is None and calls == [(1, 2)]
     assert list(inspect.signature(wrapped).parameters) == ["a", "b"]  # what interact builds its controls from
+
+
+def test_a_widgets_figures_are_shown_as_drawn_and_the_inline_crop_comes_back_after():
+    import base64
+    import io
+
+    import matplotlib.pyplot as plt
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.core.pylabtools import select_figure_formats
+    from matplotlib.figure import Figure
+    from PIL import Image
+
+    from labkit.widgets import drawn
+
+    shell = InteractiveShell.instance()
+    fig, ax = plt.subplots(figsize=(4, 2), dpi=50)
+    try:
+        select_figure_formats(shell, {"png"}, bbox_inches="tight")  # what Jupyter's inline backend sets up
+        png = shell.display_formatter.formatters["image/png"]
+        cropped = png.lookup_by_type(Figure)
+        ax.plot([0, 1])
+        sizes = []
+
+        def callback():
+            sizes.append(Image.open(io.BytesIO(base64.b64decode(png(fig)))).size)
+
+        drawn(callback)()
+        assert sizes == [(200, 100)]  # the whole 4 x 2 in figure at 50 dpi: not cropped, drawn once
+        assert png.lookup_by_type(Figure) is cropped
+        assert Image.open(io.BytesIO(base64.b64decode(png(fig)))).size != (200, 100)  # cropped again outside
+    finally:
+        plt.close(fig)
+        InteractiveShell.clear_instance()
