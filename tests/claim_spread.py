@@ -12,7 +12,7 @@ code path and 2 threads beside two busy processes, as ``make test-load`` runs th
 the chapters whose claims come from training runs (:data:`SEEDED`), the seeds ``LABKIT_SEED=1..7`` next
 to the stored run's 0.
 
-    python tests/claim_spread.py notebooks/01_precision.ipynb [--variants native-1,default-2] [--no-seeds] [--jobs 2]
+    python tests/claim_spread.py notebooks/01_precision.ipynb [--variants native-1,default-2] [--no-seeds | --seeds 4] [--jobs 2]
 
 ``--jobs 2`` runs two notebooks at a time: each run then has another one beside it, a harder condition for the
 timing claims than the one its name says (the report says so), in half the time.
@@ -146,17 +146,21 @@ def main() -> None:
     parser.add_argument("--margins", type=Path, metavar="LOG", help="print the tightest claims of a claims log and exit")
     parser.add_argument("--top", type=int, default=12, help="with --margins: how many claims to print (and in the final summary)")
     parser.add_argument("--jobs", type=int, default=1, help="notebook runs at a time (default 1: each run alone)")
+    parser.add_argument("--seeds", type=int, default=len(SEEDS), help=f"seed variants of the training chapters: LABKIT_SEED=1..K (default {len(SEEDS)})")
     args = parser.parse_args()
     if args.margins:
         print_margins(args.margins, args.top)
         return
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: expected at least 1")
+    if not 1 <= args.seeds <= len(SEEDS):
+        parser.error(f"--seeds {args.seeds}: expected 1..{len(SEEDS)}")
+    seeds = dict(list(SEEDS.items())[:args.seeds])
     notebooks = args.notebooks or sorted(Path("notebooks").glob("[0-9]*.ipynb"))
     known = {**VARIANTS, **SEEDS}
     variants = {name: known[name] for name in args.variants.split(",")}
     runs = [(notebook, name, env_changes) for notebook in notebooks
-            for name, env_changes in {**variants, **(SEEDS if not args.no_seeds and notebook.stem in SEEDED else {})}.items()]
+            for name, env_changes in {**variants, **(seeds if not args.no_seeds and notebook.stem in SEEDED else {})}.items()]
     if args.jobs > 1:
         print(f"{args.jobs} runs at a time: every condition below also had another notebook running beside it", file=sys.stderr)
     worst = []
