@@ -17,8 +17,8 @@ to the stored run's 0.
 ``--jobs 2`` runs two notebooks at a time: each run then has another one beside it, a harder condition for the
 timing claims than the one its name says (the report says so), in half the time.
 
-``--margins LOG`` instead reads a log that a test run wrote (``make test-portable`` and ``make
-test-browser`` keep one in ``build/``) and prints the claims that came closest to their bounds on
+``--margins LOG`` instead reads a log that a test run wrote (``make test-load``, ``test-student``,
+``test-portable`` and ``test-browser`` keep one in ``build/``) and prints the claims that came closest to their bounds on
 this machine: on CI, the tail of the log then shows how much room each timing claim had.
 """
 from __future__ import annotations
